@@ -1,0 +1,105 @@
+"""The backend pipeline for one Dynamo graph.
+
+    Dynamo graph --decompose, layout--> DTensor program
+      --AOTAutograd--> joint graph --transpose--> partition --> forward, backward
+      --schedule--> checked order --emit--> FX (eager) or Inductor
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from functorch.compile import default_partition
+from torch._dynamo.backends.common import aot_autograd
+from torch.distributed.tensor import DTensor
+
+from torch_hca._torch_private import graph_arg_example, group_size
+from torch_hca.collective_kinds import OPS, RULES
+from torch_hca.options import Options
+from torch_hca.plan import parameter_name
+from torch_hca.report import CollectiveRecord, GraphReport, layout_str, new_graph_report
+from torch_hca.passes.decompose import DecomposePass
+from torch_hca.passes.infra import PassContext, dump, run_pass
+from torch_hca.passes.layout import LayoutPass
+from torch_hca.passes.schedule import SchedulePass
+from torch_hca.passes.transpose import PARTNER, RULE, TransposePass
+
+from .emit import decompositions, emit
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Options) -> Callable:
+    report = new_graph_report(options)
+    ctx = PassContext(options, report, list(example_inputs))
+    _describe_inputs(gm, report)
+    report.dynamo_graph = gm
+    dump(ctx, "dynamo", gm.code)
+    gm = run_pass(DecomposePass(), gm, ctx)
+    gm = run_pass(LayoutPass(), gm, ctx)
+    report.dtensor_program = gm
+    if options.inner == "dtensor":
+        return gm.forward
+
+    def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
+        report.joint = run_pass(TransposePass(), joint, ctx)
+        return default_partition(report.joint, joint_inputs, **kwargs)
+
+    def forward_compiler(fw: fx.GraphModule, inputs):
+        report.forward = run_pass(SchedulePass("forward"), fw, ctx)
+        _record_collectives(report, fw, "forward")
+        return emit(report.forward, inputs, options.inner)
+
+    def backward_compiler(bw: fx.GraphModule, inputs):
+        report.backward = run_pass(SchedulePass("backward"), bw, ctx)
+        _record_collectives(report, bw, "backward")
+        return emit(report.backward, inputs, options.inner, is_backward=True)
+
+    def inference_compiler(fw: fx.GraphModule, inputs):
+        report.inference = True
+        return forward_compiler(fw, inputs)
+
+    return aot_autograd(
+        fw_compiler=forward_compiler,
+        bw_compiler=backward_compiler,
+        inference_compiler=inference_compiler,
+        partition_fn=partition,
+        decompositions=decompositions(options.inner),
+    )(gm, example_inputs)
+
+
+def _describe_inputs(gm: fx.GraphModule, report: GraphReport) -> None:
+    """Name the parameters the graph reads and note the mesh."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        real = graph_arg_example(node)
+        if not isinstance(real, DTensor):
+            continue
+        if report.mesh is None:
+            mesh = real.device_mesh
+            report.mesh = {"shape": list(mesh.shape), "names": list(mesh.mesh_dim_names or ()), "device_type": mesh.device_type}
+        name = parameter_name(real)
+        if name is not None:
+            report.param_ids.add(id(real))
+            report.parameters[name] = {
+                "shape": list(real.shape), "dtype": str(real.dtype).replace("torch.", ""),
+                "placements": layout_str(real.placements), "graph_input": node.name,
+            }
+
+
+def _record_collectives(report: GraphReport, gm: fx.GraphModule, direction: str) -> None:
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in OPS:
+            continue
+        info = OPS[node.target]
+        tensor = node.args[0] if info.payload == "input" else node
+        val = tensor.meta.get("val")
+        vals = val if isinstance(val, (list, tuple)) else [val]
+        group = str(node.args[info.group_arg])
+        n = group_size(group)
+        payload = sum(v.numel() * v.element_size() for v in vals)
+        report.collectives.append(CollectiveRecord(
+            kind=info.kind.value, group=group, group_size=n, bytes=payload,
+            wire_bytes=RULES[info.kind].wire_bytes(payload, n), direction=direction,
+            node=node.name, dtype=str(vals[0].dtype), shape=tuple(vals[0].shape),
+            partner=node.meta.get(PARTNER), rule=node.meta.get(RULE, "forward collective" if direction == "forward" else ""),
+        ))

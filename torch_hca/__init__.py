@@ -1,0 +1,26 @@
+"""torch_hca: a torch.compile backend for sharded training with derived, checked collectives."""
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from .errors import (
+    CheckError,
+    HCAError,
+    MeshError,
+    OptionsError,
+    PlacementError,
+    PlanError,
+    RankError,
+    UnsupportedError,
+)
+from .launch import LocalWorld, launch
+from .mesh import current_mesh, init_mesh
+from .plan import sharded
+from .report import CompileReport, report
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckError", "CompileReport", "HCAError", "LocalWorld", "MeshError", "OptionsError",
+    "Partial", "PlacementError", "PlanError", "RankError", "Replicate", "Shard",
+    "UnsupportedError", "current_mesh", "init_mesh", "launch", "report", "sharded",
+]

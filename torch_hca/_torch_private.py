@@ -1,0 +1,101 @@
+"""Every private torch API torch_hca uses, wrapped here and nowhere else.
+
+Each wrapper is tested in tests/test_torch_private.py, so a torch upgrade
+that moves one fails there first, with the name of what moved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+
+
+def graph_arg_example(placeholder: fx.Node) -> Any:
+    """The real value Dynamo bound to a placeholder (a parameter, say), or None.
+
+    Dynamo records it in ``node.meta["grapharg"]`` (a `GraphArg`); it lets the
+    backend name the parameters a graph reads.
+    """
+    grapharg = placeholder.meta.get("grapharg")
+    if grapharg is None:
+        return None
+    try:
+        return grapharg.example
+    except Exception:  # erased, or a weakref that expired: no name, not an error
+        return None
+
+
+def group_size(group_name: str) -> int:
+    """Size of the process group a `_c10d_functional` op names."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name).size()
+
+
+@dataclass(frozen=True)
+class RedistributionEvent:
+    """DTensor moving one argument of an aten op to another placement on its own."""
+
+    op: Any
+    arg_index: int
+    src: Any  # DTensorSpec
+    dst: Any  # DTensorSpec
+
+
+@contextlib.contextmanager
+def record_implicit_redistributions() -> Iterator[list[RedistributionEvent]]:
+    """Record every redistribution DTensor's op dispatcher performs by itself.
+
+    DTensor has no public hook for this; `OpDispatcher.redistribute_local_args`
+    is the single place it happens, so it is wrapped for the duration.
+    """
+    from torch.distributed.tensor._dispatch import OpDispatcher, DTensorSpec
+
+    events: list[RedistributionEvent] = []
+    original = OpDispatcher.__dict__["redistribute_local_args"]
+    inner = original.__func__ if isinstance(original, staticmethod) else original
+
+    def recording(op_info, suggested_input_schema, *args, **kwargs):
+        try:
+            targets = torch.utils._pytree.tree_leaves(suggested_input_schema.args_schema)
+        except Exception:
+            targets = list(suggested_input_schema.args_schema)
+        for i, src in enumerate(op_info.flat_args_schema):
+            if isinstance(src, DTensorSpec) and i < len(targets) and src != targets[i]:
+                events.append(RedistributionEvent(suggested_input_schema.op, i, src, targets[i]))
+        return inner(op_info, suggested_input_schema, *args, **kwargs)
+
+    OpDispatcher.redistribute_local_args = staticmethod(recording)
+    try:
+        yield events
+    finally:
+        OpDispatcher.redistribute_local_args = original
+
+
+def fake_mode_of(values):
+    """The FakeTensorMode that made these fake values (DTensors: their local part), if any."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for v in values:
+        local = getattr(v, "_local_tensor", v)
+        if isinstance(local, FakeTensor):
+            return local.fake_mode
+    return None
+
+
+def redistribute_to_partial(x, placements):
+    """`x.redistribute(...)` allowing a move to Partial (R -> P, no communication).
+
+    DTensor does such moves inside its ops but refuses them in the public
+    `redistribute`; the layout pass needs them explicit, so this calls the
+    same autograd function `redistribute` calls, with the same dtype options.
+    """
+    from torch.distributed.tensor._redistribute import Redistribute
+
+    dtype = x._local_tensor.dtype
+    config = {"op_dtype": dtype, "out_dtype": dtype, "backward_options": {"op_dtype": dtype, "out_dtype": dtype}}
+    return Redistribute.apply(x, x.device_mesh, tuple(placements), False, config)

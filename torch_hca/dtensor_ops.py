@@ -1,0 +1,57 @@
+"""Functions the passes insert into the DTensor program.
+
+They are plain Python over DTensors, so the rewritten program stays
+printable, runs eagerly (the reference) and traces through AOTAutograd.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import DTensor, Placement, Replicate
+
+from ._torch_private import redistribute_to_partial
+from .errors import UnsupportedError
+
+
+def redistribute(x: DTensor, placements: tuple[Placement, ...]) -> DTensor:
+    """An explicit placement change chosen by the layout pass."""
+    if any(p.is_partial() and p != q for p, q in zip(placements, x.placements)):
+        return redistribute_to_partial(x, placements)
+    return x.redistribute(x.device_mesh, placements)
+
+
+def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """`F.scaled_dot_product_attention` written with ops DTensor has sharding rules for.
+
+    DTensor has no rule for the CPU flash kernel, and its math path mixes a
+    plain causal mask with DTensors; here the mask is a replicated DTensor.
+    """
+    if dropout_p:
+        raise UnsupportedError(
+            "scaled_dot_product_attention with dropout_p > 0 is not supported on DTensors yet; "
+            "apply dropout outside attention"
+        )
+    if enable_gqa:
+        raise UnsupportedError("scaled_dot_product_attention(enable_gqa=True) is not supported yet")
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if is_causal:
+        keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril()
+        scores = scores.masked_fill(~_like(keep, scores), float("-inf"))
+    if attn_mask is not None:
+        mask = _like(attn_mask, scores)
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def _like(t: torch.Tensor, ref) -> torch.Tensor:
+    """A plain tensor as a replicated DTensor on `ref`'s mesh (plain if `ref` is)."""
+    if not isinstance(ref, DTensor) or isinstance(t, DTensor):
+        return t
+    mesh = ref.device_mesh
+    return DTensor.from_local(t.to(ref.device), mesh, (Replicate(),) * mesh.ndim, run_check=False)

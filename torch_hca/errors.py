@@ -1,0 +1,47 @@
+"""One hierarchy for every error torch_hca raises on bad input.
+
+Each message names the thing at fault (parameter, node, rank, option), says
+why, and says what to write instead.
+"""
+
+from __future__ import annotations
+
+
+class HCAError(Exception):
+    """Base class: catch this to catch every torch_hca error."""
+
+
+class MeshError(HCAError):
+    """The device mesh does not match the world or cannot be built."""
+
+
+class PlanError(HCAError):
+    """A sharding plan is malformed or does not fit the model."""
+
+
+class PlacementError(PlanError):
+    """A placement cannot be applied to the tensor it was given to."""
+
+
+class OptionsError(HCAError):
+    """An unknown or invalid option was passed to the backend."""
+
+
+class UnsupportedError(HCAError):
+    """The backend met an op or graph it cannot shard."""
+
+
+class CheckError(HCAError):
+    """A generated program failed one of the backend's own checks."""
+
+
+class RankError(HCAError):
+    """A rank of a local launch failed; carries its rank and traceback."""
+
+    def __init__(self, rank: int, kind: str, traceback_text: str):
+        self.rank = rank
+        self.kind = kind
+        self.traceback_text = traceback_text
+        super().__init__(
+            f"rank {rank} failed with {kind}; its traceback:\n{traceback_text}"
+        )

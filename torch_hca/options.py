@@ -1,0 +1,50 @@
+"""Backend options: one frozen dataclass, parsed from `torch.compile(..., options=)`."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import OptionsError
+
+INNER = ("eager", "inductor", "dtensor")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What `torch.compile(model, backend="hca", options={...})` accepts.
+
+    inner: how the transformed program runs. "eager": the c10d program as FX
+      (default); "inductor": the c10d program compiled by Inductor; "dtensor":
+      the DTensor program run eagerly, no AOTAutograd (the reference).
+    strict: a redistribution the layout pass cannot make explicit, or a check
+      that fails, is an error rather than a note in the report.
+    debug_dir: write every graph before and after each pass, the collectives
+      table and the strategy there (also set by TORCH_HCA_DEBUG_DIR).
+    mode: torch.compile's `mode=`, recorded and handed to Inductor.
+    """
+
+    inner: str = "eager"
+    strict: bool = False
+    debug_dir: str | None = None
+    mode: str | None = None
+
+    @classmethod
+    def parse(cls, options: dict[str, Any] | None, mode: str | None = None) -> "Options":
+        options = dict(options or {})
+        known = {f.name for f in dataclasses.fields(cls)} - {"mode"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise OptionsError(
+                f"backend 'hca': unknown option(s) {unknown}; the options are {sorted(known)}"
+            )
+        inner = options.get("inner", "eager")
+        if inner not in INNER:
+            raise OptionsError(f"backend 'hca': options['inner']={inner!r}; use one of {INNER}")
+        strict = options.get("strict", False)
+        if not isinstance(strict, bool):
+            raise OptionsError(f"backend 'hca': options['strict'] must be a bool, got {strict!r}")
+        debug_dir = options.get("debug_dir") or os.environ.get("TORCH_HCA_DEBUG_DIR")
+        return cls(inner=inner, strict=strict, debug_dir=debug_dir, mode=mode)

@@ -1,0 +1,300 @@
+"""`hca.sharded`: a parameter storage plan, validated eagerly and applied to a module.
+
+A plan maps parameter-name glob patterns to a layout: one placement per mesh
+dimension (a bare placement on a 1-D mesh)::
+
+    @hca.sharded({"fc1.*": Shard(0), "fc2.weight": Shard(1)}, inputs=Replicate())
+    class MLP(nn.Module): ...
+
+After ``__init__`` the parameters are DTensors stored as the plan says
+(unmatched ones replicated). ``forward`` takes plain tensors, each this
+rank's local piece of a tensor laid out as ``inputs``, and returns plain
+tensors laid out as ``outputs``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+from torch.utils.weak import WeakIdKeyDictionary
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.utils._pytree import tree_map
+
+from .errors import MeshError, PlacementError, PlanError
+from .mesh import current_mesh
+from .rewrites import DTensorRewrites
+
+Layout = tuple[Placement, ...]
+
+# Every sharded parameter, mapped to (its module, its qualified name): lets the
+# backend and the report name the parameters a compiled graph reads.
+_PARAM_NAMES: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+def parameter_name(t: torch.Tensor) -> str | None:
+    """The qualified name of a parameter sharded by `hca.sharded`, else None."""
+    return _PARAM_NAMES.get(t)
+
+
+def _layout(value: Any, mesh: DeviceMesh, what: str) -> Layout:
+    """Normalize a placement or a tuple of placements to one per mesh dimension."""
+    layout = (value,) if isinstance(value, Placement) else value
+    if not isinstance(layout, tuple) or not all(isinstance(p, Placement) for p in layout):
+        raise PlanError(
+            f"{what}: {value!r} is not a placement; write Shard(d), Replicate(), or a tuple "
+            f"of them, one per mesh dimension"
+        )
+    if len(layout) != mesh.ndim:
+        raise PlacementError(
+            f"{what}: {len(layout)} placement(s) {layout} for a {mesh.ndim}-D mesh "
+            f"{tuple(mesh.shape)}; give one placement per mesh dimension"
+        )
+    return layout
+
+
+def _check_storage(layout: Layout, shape: torch.Size, mesh: DeviceMesh, what: str) -> Layout:
+    """Parameters are stored Shard or Replicate, evenly divided; normalize Shard dims."""
+    fixed = []
+    for mesh_dim, p in enumerate(layout):
+        if isinstance(p, Partial):
+            raise PlacementError(
+                f"{what}: Partial() is not a storage placement (a parameter is one value, "
+                "not a sum of pieces); use Shard(d) or Replicate()"
+            )
+        if isinstance(p, Shard):
+            dim = p.dim + len(shape) if p.dim < 0 else p.dim
+            if not 0 <= dim < len(shape):
+                raise PlacementError(
+                    f"{what}: Shard({p.dim}) on a tensor of shape {tuple(shape)} with "
+                    f"{len(shape)} dimension(s); pick a dimension in 0..{len(shape) - 1}"
+                )
+            p = Shard(dim)
+        fixed.append(p)
+    for dim in range(len(shape)):
+        ways = 1
+        for mesh_dim, p in enumerate(fixed):
+            if isinstance(p, Shard) and p.dim == dim:
+                ways *= mesh.size(mesh_dim)
+        if shape[dim] % ways:
+            raise PlacementError(
+                f"{what}: dimension {dim} of size {shape[dim]} does not divide evenly over "
+                f"{ways} ranks; torch_hca needs even shards here: change the size, the mesh, "
+                "or shard another dimension"
+            )
+    return tuple(fixed)
+
+
+@dataclass(frozen=True)
+class ShardingSpec:
+    """A module's resolved plan: the mesh, each parameter's layout, and I/O layouts."""
+
+    mesh: DeviceMesh
+    params: Mapping[str, Layout]
+    inputs: Layout | tuple[Layout | None, ...]
+    outputs: Layout
+    per_argument: bool
+
+    def input_layout(self, index: int | None) -> Layout | None:
+        if not self.per_argument:
+            return self.inputs
+        if index is None or index >= len(self.inputs):
+            return (Replicate(),) * self.mesh.ndim
+        return self.inputs[index]
+
+    def to_dtensor(self, x: Any, index: int | None) -> Any:
+        if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+            return x
+        layout = self.input_layout(index)
+        if layout is None:
+            return x
+        for p in layout:
+            if isinstance(p, Shard) and not -x.dim() <= p.dim < x.dim():
+                raise PlacementError(
+                    f"forward argument {index}: inputs placement Shard({p.dim}) on a tensor of "
+                    f"shape {tuple(x.shape)}; change `inputs=` in hca.sharded"
+                )
+        return DTensor.from_local(x, self.mesh, layout, run_check=False)
+
+    def to_local(self, y: Any) -> Any:
+        if not isinstance(y, DTensor):
+            return y
+        return y.redistribute(self.mesh, self.outputs).to_local(grad_placements=self.outputs)
+
+
+def _resolve_plan(module: nn.Module, plan: Mapping[str, Any], mesh: DeviceMesh) -> dict[str, Layout]:
+    if not isinstance(plan, Mapping):
+        raise PlanError(
+            f"hca.sharded: the plan must map parameter-name patterns to placements, "
+            f"got {type(plan).__name__}"
+        )
+    named = dict(module.named_parameters())
+    chosen: dict[str, tuple[str, Layout]] = {}
+    for pattern, value in plan.items():
+        if not isinstance(pattern, str):
+            raise PlanError(f"hca.sharded: plan key {pattern!r} must be a glob string like 'fc1.*'")
+        hits = [n for n in named if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise PlanError(
+                f"hca.sharded: plan pattern {pattern!r} matches no parameter of "
+                f"{type(module).__name__}; its parameters are {sorted(named)}"
+            )
+        for name in hits:
+            layout = _layout(value, mesh, f"parameter {name!r} (pattern {pattern!r})")
+            layout = _check_storage(layout, named[name].shape, mesh, f"parameter {name!r} (pattern {pattern!r})")
+            if name in chosen and chosen[name][1] != layout:
+                other, other_layout = chosen[name]
+                raise PlanError(
+                    f"hca.sharded: parameter {name!r} is matched by {other!r} as {other_layout} "
+                    f"and by {pattern!r} as {layout}; make the patterns disjoint"
+                )
+            chosen[name] = (pattern, layout)
+    replicated = (Replicate(),) * mesh.ndim
+    return {name: chosen.get(name, (None, replicated))[1] for name in named}
+
+
+def _resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
+    mesh = mesh if mesh is not None else current_mesh()
+    if mesh is None:
+        raise MeshError(
+            "hca.sharded: no mesh given and none is current; call hca.init_mesh() first "
+            "or pass mesh=..."
+        )
+    if not isinstance(mesh, DeviceMesh):
+        raise MeshError(f"hca.sharded: mesh={mesh!r} is not a DeviceMesh; build one with hca.init_mesh")
+    if dist.is_initialized() and mesh.size() != dist.get_world_size():
+        raise MeshError(
+            f"hca.sharded: the mesh holds {mesh.size()} ranks but the world has "
+            f"{dist.get_world_size()}; build the mesh over the whole world with hca.init_mesh"
+        )
+    return mesh
+
+
+def _io_layouts(inputs: Any, mesh: DeviceMesh) -> tuple[Any, bool]:
+    if isinstance(inputs, list):
+        return tuple(None if v is None else _io_layout(v, mesh, f"inputs[{i}]") for i, v in enumerate(inputs)), True
+    return _io_layout(inputs, mesh, "inputs"), False
+
+
+def _io_layout(value: Any, mesh: DeviceMesh, what: str) -> Layout:
+    layout = _layout(value, mesh, f"hca.sharded {what}")
+    if any(isinstance(p, Partial) for p in layout):
+        raise PlacementError(
+            f"hca.sharded {what}: Partial() is not supported for forward arguments or results; "
+            "use Shard(d) or Replicate()"
+        )
+    return layout
+
+
+def _distribute(module: nn.Module, spec: ShardingSpec) -> None:
+    """Replace each parameter and buffer by a DTensor laid out as the spec says."""
+    for qualified, layout in spec.params.items():
+        owner_name, _, leaf = qualified.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        old = getattr(owner, leaf)
+        # src_data_rank=0 (the default): every rank starts from rank 0's values.
+        new = nn.Parameter(distribute_tensor(old.detach(), spec.mesh, layout), requires_grad=old.requires_grad)
+        setattr(owner, leaf, new)
+        _PARAM_NAMES[new] = qualified
+    replicated = (Replicate(),) * spec.mesh.ndim
+    for qualified, buf in list(module.named_buffers()):
+        owner_name, _, leaf = qualified.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        owner._buffers[leaf] = distribute_tensor(buf, spec.mesh, replicated)
+
+
+def _wrap_forward(forward):
+    @functools.wraps(forward)
+    def sharded_forward(self, *args, **kwargs):
+        spec: ShardingSpec | None = getattr(self, "_hca_spec", None)
+        if spec is None:  # a subclass the decorator did not shard
+            return forward(self, *args, **kwargs)
+        args = tuple(tree_map(lambda t, i=i: spec.to_dtensor(t, i), a) for i, a in enumerate(args))
+        kwargs = tree_map(lambda t: spec.to_dtensor(t, None), kwargs)
+        with DTensorRewrites():
+            out = forward(self, *args, **kwargs)
+        return tree_map(spec.to_local, out)
+
+    sharded_forward._hca_wrapped = True
+    return sharded_forward
+
+
+def _shard_instance(module: nn.Module, plan, mesh, inputs, outputs) -> nn.Module:
+    if getattr(module, "_hca_spec", None) is not None:
+        raise PlanError(
+            f"hca.sharded: this {type(module).__name__} is already sharded; apply the "
+            "decorator once, to the class or to the instance"
+        )
+    mesh = _resolve_mesh(mesh)
+    in_layouts, per_argument = _io_layouts(inputs, mesh)
+    spec = ShardingSpec(
+        mesh=mesh,
+        params=_resolve_plan(module, plan, mesh),
+        inputs=in_layouts,
+        outputs=_io_layout(outputs, mesh, "outputs"),
+        per_argument=per_argument,
+    )
+    _distribute(module, spec)
+    module._hca_spec = spec
+    return module
+
+
+def sharded(
+    plan: Mapping[str, Any],
+    *,
+    mesh: DeviceMesh | None = None,
+    inputs: Any = Replicate(),
+    outputs: Any = Replicate(),
+):
+    """Store a module's parameters over a device mesh as `plan` says.
+
+    ``plan``: ``{"glob pattern": placement or tuple of placements}``; a
+    parameter no pattern matches is replicated. ``inputs``: the layout of
+    every tensor argument of ``forward`` (a list gives one per positional
+    argument, ``None`` leaving that one alone). ``outputs``: the layout of
+    every tensor result. A plain tensor argument is this rank's local piece.
+
+    Use on a class (parameters are distributed at the end of ``__init__``) or
+    on an instance (distributed at once, returns the same module)::
+
+        @hca.sharded({"fc1.*": Shard(0)})
+        class MLP(nn.Module): ...
+
+        model = hca.sharded({"fc1.*": Shard(0)}, mesh=mesh)(MLP())
+    """
+
+    def apply(target):
+        if isinstance(target, nn.Module):
+            _shard_instance(target, plan, mesh, inputs, outputs)
+            cls = type(target)
+            if not getattr(cls.forward, "_hca_wrapped", False):
+                target.__class__ = type(cls.__name__, (cls,), {
+                    "forward": _wrap_forward(cls.forward),
+                    "__module__": cls.__module__,
+                    "__qualname__": cls.__qualname__,
+                })
+            return target
+        if isinstance(target, type) and issubclass(target, nn.Module):
+            init = target.__init__
+
+            @functools.wraps(init)
+            def sharded_init(self, *args, **kwargs):
+                init(self, *args, **kwargs)
+                if type(self) is target:
+                    _shard_instance(self, plan, mesh, inputs, outputs)
+
+            target.__init__ = sharded_init
+            target.forward = _wrap_forward(target.forward)
+            return target
+        raise PlanError(
+            f"hca.sharded decorates an nn.Module class or instance, not {type(target).__name__}"
+        )
+
+    return apply

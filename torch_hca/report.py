@@ -1,0 +1,221 @@
+"""`hca.report`: what the compiler did, for people and for tests.
+
+One `GraphReport` per graph Dynamo hands the backend (a graph break makes
+two); a `CompileReport` gathers those of one compiled module.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from .errors import HCAError
+
+
+def placement_str(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Partial):
+        return f"P({p.reduce_op})"
+    return repr(p)
+
+
+def layout_str(layout) -> str:
+    return "(" + ", ".join(placement_str(p) for p in layout) + ")"
+
+
+@dataclass
+class CollectiveRecord:
+    """One collective in the compiled forward or backward graph."""
+
+    kind: str          # collective_kinds.Kind value
+    group: str         # process group name
+    group_size: int
+    bytes: int         # the full logical buffer (payload)
+    wire_bytes: float  # bytes one rank sends in a ring implementation
+    direction: str     # "forward" or "backward"
+    node: str          # node name in the graph
+    dtype: str
+    shape: tuple[int, ...]
+    partner: str | None = None  # the collective this one transposes
+    rule: str = ""              # why it is there
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Redistribution:
+    """A placement change in the DTensor program, explicit as a node."""
+
+    node: str
+    value: str
+    src: str
+    dst: str
+    reason: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class PassRecord:
+    name: str
+    reads: str
+    writes: str
+    changed: bool
+    decisions: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GraphReport:
+    """Everything one graph went through, stage by stage."""
+
+    index: int
+    options: Any
+    mesh: dict[str, Any] | None = None
+    dynamo_graph: fx.GraphModule | None = None
+    dtensor_program: fx.GraphModule | None = None
+    joint: fx.GraphModule | None = None
+    forward: fx.GraphModule | None = None
+    backward: fx.GraphModule | None = None
+    inference: bool = False
+    collectives: list[CollectiveRecord] = field(default_factory=list)
+    redistributions: list[Redistribution] = field(default_factory=list)
+    implicit_redistributions: list[str] = field(default_factory=list)
+    parameters: dict[str, dict[str, Any]] = field(default_factory=dict)
+    values: dict[str, dict[str, Any]] = field(default_factory=dict)
+    passes: list[PassRecord] = field(default_factory=list)
+    schedules: dict[str, dict[str, Any]] = field(default_factory=dict)
+    param_ids: set[int] = field(default_factory=set)
+
+    @property
+    def dtensor_code(self) -> str:
+        return self.dtensor_program.code if self.dtensor_program is not None else ""
+
+
+# Every graph compiled in this process, in order.
+_GRAPHS: list[GraphReport] = []
+
+
+def new_graph_report(options: Any) -> GraphReport:
+    g = GraphReport(index=len(_GRAPHS), options=options)
+    _GRAPHS.append(g)
+    return g
+
+
+class CompileReport:
+    """The graphs of one compiled module and what the passes decided for them."""
+
+    def __init__(self, graphs: list[GraphReport]):
+        self.graphs = graphs
+
+    @property
+    def graph(self) -> GraphReport:
+        """The most recent graph (the only one when there was no graph break)."""
+        return self.graphs[-1]
+
+    @property
+    def dtensor_code(self) -> str:
+        return "\n".join(g.dtensor_code for g in self.graphs)
+
+    @property
+    def forward(self) -> fx.GraphModule | None:
+        return self.graph.forward
+
+    @property
+    def backward(self) -> fx.GraphModule | None:
+        return self.graph.backward
+
+    @property
+    def joint(self) -> fx.GraphModule | None:
+        return self.graph.joint
+
+    @property
+    def collectives(self) -> list[CollectiveRecord]:
+        return [c for g in self.graphs for c in g.collectives]
+
+    def collective_counts(self, direction: str | None = None) -> dict[str, int]:
+        """``{kind: count}`` over every graph, for one direction or both."""
+        counts = collections.Counter(
+            c.kind for c in self.collectives if direction in (None, c.direction)
+        )
+        return dict(sorted(counts.items()))
+
+    def table(self) -> str:
+        """The collectives table as aligned text."""
+        head = ("graph", "dir", "kind", "group", "n", "shape", "dtype", "bytes", "wire/rank", "partner", "rule")
+        rows = [head]
+        for g in self.graphs:
+            for c in g.collectives:
+                rows.append((
+                    str(g.index), c.direction[:3], c.kind, c.group, str(c.group_size),
+                    "x".join(map(str, c.shape)) or "scalar", c.dtype.replace("torch.", ""),
+                    str(c.bytes), f"{c.wire_bytes:.0f}", c.partner or "-", c.rule,
+                ))
+        if len(rows) == 1:
+            return "(no collectives in the compiled graphs)"
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
+
+    def strategy(self) -> dict[str, Any]:
+        """The strategy as JSON-ready data (versioned)."""
+        return {
+            "version": 1,
+            "mesh": self.graphs[0].mesh if self.graphs else None,
+            "graphs": [
+                {
+                    "index": g.index,
+                    "inference": g.inference,
+                    "parameters": g.parameters,
+                    "values": g.values,
+                    "redistributions": [r.as_dict() for r in g.redistributions],
+                    "collectives": [c.as_dict() for c in g.collectives],
+                    "schedules": g.schedules,
+                }
+                for g in self.graphs
+            ],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.strategy(), indent=2, sort_keys=True, default=str)
+
+    def __str__(self) -> str:
+        parts = []
+        for g in self.graphs:
+            parts.append(f"== graph {g.index}: DTensor program ==\n{g.dtensor_code.strip()}")
+        parts.append("== collectives ==\n" + self.table())
+        return "\n\n".join(parts)
+
+
+def report(compiled: Any = None) -> CompileReport:
+    """The report for a compiled module (or, given nothing, the last compiled graph).
+
+    ``compiled`` is what ``torch.compile(model, backend="hca")`` returned, or the
+    model itself. It must have been called at least once.
+    """
+    if compiled is None:
+        if not _GRAPHS:
+            raise HCAError("hca.report(): nothing has been compiled with backend='hca' in this process")
+        return CompileReport([_GRAPHS[-1]])
+    module = getattr(compiled, "_orig_mod", compiled)
+    if not isinstance(module, torch.nn.Module):
+        raise HCAError(
+            f"hca.report: expected the module torch.compile returned, got {type(compiled).__name__}"
+        )
+    ids = {id(p) for p in module.parameters()}
+    graphs = [g for g in _GRAPHS if g.param_ids & ids]
+    if not graphs:
+        raise HCAError(
+            f"hca.report: no graph of this {type(module).__name__} was compiled with backend='hca'; "
+            "call the compiled module once first"
+        )
+    return CompileReport(graphs)

@@ -1,0 +1,83 @@
+"""Small models and the plans that shard them: used by the demo, examples, tests and bench.
+
+Each model is an ordinary `nn.Module`; each plan is what a user would pass
+to `hca.sharded`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int = 16, hidden: int = 32):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+# Megatron: fc1 column-parallel (output features split), fc2 row-parallel.
+MEGATRON_MLP = {"fc1.*": Shard(0), "fc2.weight": Shard(1)}
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        split = lambda t: t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
+        q, k, v = split(self.wq(x)), split(self.wk(x)), split(self.wv(x))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, s, d))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, dim: int = 16, heads: int = 4, hidden: int = 32):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = MLP(dim, hidden)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+# Heads split across ranks (q, k, v column-parallel, o row-parallel), MLP Megatron.
+TP_BLOCK = {
+    "attn.wq.weight": Shard(0), "attn.wk.weight": Shard(0), "attn.wv.weight": Shard(0),
+    "attn.wo.weight": Shard(1), "mlp.fc1.*": Shard(0), "mlp.fc2.weight": Shard(1),
+}
+
+
+class DeepMLP(nn.Module):
+    """`depth` Linear+ReLU layers: the data-parallel example."""
+
+    def __init__(self, dim: int = 16, depth: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def two_d(plan: dict) -> dict:
+    """A 1-D tensor-parallel plan lifted to a (dp, tp) mesh: replicated over dp."""
+    return {k: (Replicate(), v) for k, v in plan.items()}
