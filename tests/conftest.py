@@ -1,0 +1,50 @@
+"""Shared fixtures.
+
+* ``fake_pg``: a fake process group of world size 4 in this process, for graph-only
+  checks (its collective results are garbage by design: never check numbers with it).
+* ``world2`` / ``world4``: real gloo ranks on 127.0.0.1, started once per test session
+  and reused by every test (see `torch_hca.LocalWorld`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_hca as hca
+from torch_hca.mesh import reset_current_mesh
+
+
+@pytest.fixture
+def fake_pg(request):
+    """A fake process group (world size 4 unless parametrized) and its 1-D mesh."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world_size = getattr(request, "param", 4)
+    torch._dynamo.reset()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield hca.init_mesh()
+    finally:
+        dist.destroy_process_group()
+        reset_current_mesh()
+        torch._dynamo.reset()
+
+
+_WORLDS: dict[int, hca.LocalWorld] = {}
+
+
+def _world(size: int) -> hca.LocalWorld:
+    if size not in _WORLDS:
+        _WORLDS[size] = hca.LocalWorld(size, timeout_s=240)
+    return _WORLDS[size]
+
+
+@pytest.fixture(scope="session")
+def worlds():
+    """``worlds(n)`` -> the session's `LocalWorld` of n gloo ranks (started on first use)."""
+    yield _world
+    for w in _WORLDS.values():
+        w.close()
+    _WORLDS.clear()
