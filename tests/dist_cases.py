@@ -1,0 +1,115 @@
+"""Work run on every rank of a `LocalWorld` by the distributed tests.
+
+Each function builds the same model twice from one seed: a single-device
+reference and a sharded copy compiled with backend "hca", runs both on the
+same global data, and returns what the tests assert on (errors relative to the
+reference, the collectives the report lists). Plain module, importable by the
+spawned ranks; no pytest here.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import torch_hca as hca
+from torch_hca import zoo
+
+
+@dataclass(frozen=True)
+class Case:
+    make: Callable[[], nn.Module]
+    plan: dict
+    mesh: Callable[[int], tuple]   # world size -> (shape, names)
+    inputs: Any
+    outputs: Any
+    x_shape: tuple[int, ...]
+
+
+ONE_D = lambda ws: ((ws,), ("tp",))
+TWO_D = lambda ws: ((ws // 2, 2), ("dp", "tp"))
+
+CASES = {
+    "mlp": Case(zoo.MLP, zoo.MEGATRON_MLP, ONE_D, Replicate(), Replicate(), (8, 16)),
+    "dp": Case(lambda: zoo.DeepMLP(16, 4), {}, lambda ws: ((ws,), ("dp",)), Shard(0), Shard(0), (8, 16)),
+    "2d": Case(zoo.MLP, zoo.two_d(zoo.MEGATRON_MLP), TWO_D, (Shard(0), Replicate()), (Shard(0), Replicate()), (8, 16)),
+    "block": Case(zoo.TransformerBlock, zoo.TP_BLOCK, ONE_D, Replicate(), Replicate(), (2, 6, 16)),
+}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def full(t: torch.Tensor, mesh, layout) -> torch.Tensor:
+    """The global tensor a rank's local output piece belongs to."""
+    layout = (layout,) if not isinstance(layout, tuple) else layout
+    return DTensor.from_local(t, mesh, layout, run_check=False).full_tensor()
+
+
+def local_piece(x: torch.Tensor, mesh, layout) -> torch.Tensor:
+    layout = (layout,) if not isinstance(layout, tuple) else layout
+    return distribute_tensor(x, mesh, layout).to_local()
+
+
+def loss_of(out: torch.Tensor) -> torch.Tensor:
+    # Non-linear in the output so every gradient is non-trivial. With sharded
+    # outputs each rank sums its own piece: the ranks' losses add up to the global one.
+    return (out * out).sum()
+
+
+def setup(case: Case, options: dict | None = None, seed: int = 0):
+    torch._dynamo.reset()
+    shape, names = case.mesh(dist.get_world_size())
+    mesh = hca.init_mesh(shape, names)
+    torch.manual_seed(seed)
+    ref = case.make()
+    model = hca.sharded(case.plan, mesh=mesh, inputs=case.inputs, outputs=case.outputs)(copy.deepcopy(ref))
+    compiled = torch.compile(model, backend="hca", options=options)
+    return mesh, ref, model, compiled
+
+
+def grad_errors(model: nn.Module, ref: nn.Module) -> dict[str, float]:
+    refs = dict(ref.named_parameters())
+    return {n: rel_err(p.grad.full_tensor(), refs[n].grad) for n, p in model.named_parameters()}
+
+
+def parity(case_name: str, steps: int = 3, options: dict | None = None) -> dict[str, Any]:
+    """Outputs, gradients and `steps` Adam steps against a single-device run."""
+    case = CASES[case_name]
+    mesh, ref, model, compiled = setup(case, options)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    result: dict[str, Any] = {}
+    for step in range(steps):
+        x = torch.randn(case.x_shape)
+        out = compiled(local_piece(x, mesh, case.inputs))
+        ref_out = ref(x)
+        loss_of(out).backward()
+        loss_of(ref_out).backward()
+        if step == 0:
+            result["out_err"] = rel_err(full(out, mesh, case.outputs), ref_out)
+            result["grad_errs"] = grad_errors(model, ref)
+            result["grad_placements"] = {n: str(p.grad.placements) for n, p in model.named_parameters()}
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    refs = dict(ref.named_parameters())
+    result["param_errs"] = {n: rel_err(p.full_tensor(), refs[n]) for n, p in model.named_parameters()}
+    rep = hca.report(compiled)
+    result["forward"] = rep.collective_counts("forward")
+    result["backward"] = rep.collective_counts("backward")
+    result["bytes"] = {
+        d: sum(c.bytes for c in rep.collectives if c.direction == d) for d in ("forward", "backward")
+    }
+    result["implicit"] = [m for g in rep.graphs for m in g.implicit_redistributions]
+    result["graphs"] = len(rep.graphs)
+    result["strategy_json"] = rep.to_json()
+    return result
