@@ -1,6 +1,6 @@
 """The backend pipeline for one Dynamo graph.
 
-    Dynamo graph --decompose, layout--> DTensor program
+    Dynamo graph (attention already rewritten, torch_hca.rewrites) --layout--> DTensor program
       --AOTAutograd--> joint graph --transpose--> partition --> forward, backward
       --schedule--> checked order --emit--> FX (eager) or Inductor
 """
@@ -19,8 +19,8 @@ from torch_hca._torch_private import graph_arg_example, group_size
 from torch_hca.collective_kinds import OPS, RULES
 from torch_hca.options import Options
 from torch_hca.plan import parameter_name
-from torch_hca.report import CollectiveRecord, GraphReport, layout_str, new_graph_report
-from torch_hca.passes.decompose import DecomposePass
+from torch_hca.errors import HCAError, UnsupportedError
+from torch_hca.report import CollectiveRecord, CompileReport, GraphReport, layout_str, new_graph_report
 from torch_hca.passes.infra import PassContext, dump, run_pass
 from torch_hca.passes.layout import LayoutPass
 from torch_hca.passes.schedule import SchedulePass
@@ -35,7 +35,6 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
     _describe_inputs(gm, report)
     report.dynamo_graph = gm
     dump(ctx, "dynamo", gm.code)
-    gm = run_pass(DecomposePass(), gm, ctx)
     gm = run_pass(LayoutPass(), gm, ctx)
     report.dtensor_program = gm
     if options.inner == "dtensor":
@@ -59,13 +58,45 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
         report.inference = True
         return forward_compiler(fw, inputs)
 
-    return aot_autograd(
+    compiler = aot_autograd(
         fw_compiler=forward_compiler,
         bw_compiler=backward_compiler,
         inference_compiler=inference_compiler,
         partition_fn=partition,
         decompositions=decompositions(options.inner),
-    )(gm, example_inputs)
+    )
+    try:
+        compiled = compiler(gm, example_inputs)
+    except HCAError:
+        raise
+    except Exception as e:
+        if _has_symbolic_shapes(gm):
+            raise UnsupportedError(
+                f"backend 'hca': tracing graph {report.index} with dynamic shapes failed ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200]}); DTensor cannot shard some ops under symbolic sizes in "
+                "this torch: compile with torch.compile(..., dynamic=False) to recompile per shape"
+            ) from e
+        raise
+    _dump_tables(ctx)
+    return compiled
+
+
+def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("example_value")
+        if isinstance(val, torch.SymInt) or (
+            isinstance(val, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in val.shape)
+        ):
+            return True
+    return False
+
+
+def _dump_tables(ctx: PassContext) -> None:
+    """The collectives table and the strategy, next to the graphs, in debug mode."""
+    if ctx.options.debug_dir:
+        rep = CompileReport([ctx.report])
+        dump(ctx, "collectives", rep.table() + "\n", suffix="txt")
+        dump(ctx, "strategy", rep.to_json() + "\n", suffix="json")
 
 
 def _describe_inputs(gm: fx.GraphModule, report: GraphReport) -> None:

@@ -64,14 +64,14 @@ def loss_of(out: torch.Tensor) -> torch.Tensor:
     return (out * out).sum()
 
 
-def setup(case: Case, options: dict | None = None, seed: int = 0):
+def setup(case: Case, options: dict | None = None, seed: int = 0, dynamic: bool | None = None):
     torch._dynamo.reset()
     shape, names = case.mesh(dist.get_world_size())
     mesh = hca.init_mesh(shape, names)
     torch.manual_seed(seed)
     ref = case.make()
     model = hca.sharded(case.plan, mesh=mesh, inputs=case.inputs, outputs=case.outputs)(copy.deepcopy(ref))
-    compiled = torch.compile(model, backend="hca", options=options)
+    compiled = torch.compile(model, backend="hca", options=options, dynamic=dynamic)
     return mesh, ref, model, compiled
 
 
@@ -113,3 +113,78 @@ def parity(case_name: str, steps: int = 3, options: dict | None = None) -> dict[
     result["graphs"] = len(rep.graphs)
     result["strategy_json"] = rep.to_json()
     return result
+
+
+class TwoStage(nn.Module):
+    """Two MLPs with a graph break between them; returns two tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = zoo.MLP()
+        self.b = zoo.MLP()
+
+    def forward(self, x):
+        y = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(y), y * 2
+
+
+TWO_STAGE_PLAN = {"a.fc1.*": Shard(0), "a.fc2.weight": Shard(1), "b.fc1.*": Shard(0), "b.fc2.weight": Shard(1)}
+
+
+def graph_break_two_outputs() -> dict[str, Any]:
+    case = Case(TwoStage, TWO_STAGE_PLAN, ONE_D, Replicate(), Replicate(), (8, 16))
+    _, ref, model, compiled = setup(case)
+    x = torch.randn(8, 16)
+    out, twice = compiled(x)
+    ref_out, ref_twice = ref(x)
+    (loss_of(out) + loss_of(twice)).backward()
+    (loss_of(ref_out) + loss_of(ref_twice)).backward()
+    rep = hca.report(compiled)
+    return {
+        "out_err": max(rel_err(out, ref_out), rel_err(twice, ref_twice)),
+        "grad_err": max(grad_errors(model, ref).values()),
+        "graphs": len(rep.graphs),
+        "forward": rep.collective_counts("forward"),
+    }
+
+
+def inference_and_batch_sizes(case_name: str, dynamic: bool | None) -> dict[str, Any]:
+    """no_grad inference, then training at two batch sizes."""
+    case = CASES[case_name]
+    mesh, ref, model, compiled = setup(case, dynamic=dynamic)
+    result: dict[str, Any] = {}
+    x = torch.randn(2, *case.x_shape[1:])
+    with torch.no_grad():
+        out = compiled(x)
+    result["inference_err"] = rel_err(out, ref(x))
+    result["inference_graph"] = hca.report(compiled).graph.inference
+    result["inference_requires_grad"] = out.requires_grad
+    for batch in (2, 3):
+        x = torch.randn(batch, *case.x_shape[1:])
+        model.zero_grad()
+        ref.zero_grad()
+        out = compiled(x)
+        loss_of(out).backward()
+        loss_of(ref(x)).backward()
+        result[f"out_err_{batch}"] = rel_err(out, ref(x))
+        result[f"grad_err_{batch}"] = max(grad_errors(model, ref).values())
+    result["graphs"] = len(hca.report(compiled).graphs)
+    return result
+
+
+def inner(name: str) -> dict[str, Any]:
+    """One training step of the transformer block under options={"inner": name}."""
+    _, ref, model, compiled = setup(CASES["mlp" if name == "inductor" else "block"], {"inner": name})
+    shape = (8, 16) if name == "inductor" else (2, 6, 16)
+    x = torch.randn(shape)
+    out = compiled(x)
+    loss_of(out).backward()
+    loss_of(ref(x)).backward()
+    rep = hca.report(compiled)
+    return {
+        "out_err": rel_err(out, ref(x)),
+        "grad_err": max(grad_errors(model, ref).values()),
+        "has_c10d_graphs": rep.forward is not None,
+        "dtensor_code": rep.dtensor_code,
+    }

@@ -36,7 +36,19 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     if enable_gqa:
         raise UnsupportedError("scaled_dot_product_attention(enable_gqa=True) is not supported yet")
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if q.dim() == 4:
+        # Heads first, then one flat batch of (head, batch) pairs for bmm: DTensor
+        # can flatten (sharded heads, batch) under a symbolic batch size, but not
+        # the (batch, sharded heads) that matmul's own broadcasting flattens.
+        h, b, lq, lk = q.size(1), q.size(0), q.size(2), k.size(2)
+        flat = lambda t: t.transpose(0, 1).reshape(h * b, t.size(2), t.size(3))
+        out = _attention(flat(q), flat(k), flat(v), attn_mask, is_causal, scale)
+        return out.view(h, b, lq, v.size(3)).transpose(0, 1)
+    return _attention(q, k, v, attn_mask, is_causal, scale)
+
+
+def _attention(q, k, v, attn_mask, is_causal: bool, scale: float):
+    scores = torch.bmm(q, k.transpose(-2, -1)) * scale if q.dim() == 3 else torch.matmul(q, k.transpose(-2, -1)) * scale
     if is_causal:
         keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril()
         scores = scores.masked_fill(~_like(keep, scores), float("-inf"))
@@ -46,7 +58,8 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
             scores = scores.masked_fill(~mask, float("-inf"))
         else:
             scores = scores + mask
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.bmm(probs, v) if probs.dim() == 3 else torch.matmul(probs, v)
 
 
 def _like(t: torch.Tensor, ref) -> torch.Tensor:

@@ -30,6 +30,8 @@ def backend_for(device_type: str) -> str:
 
 
 def _default_device_type() -> str:
+    if dist.is_initialized():  # follow the process group we were given (hca.launch: gloo)
+        return "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
     if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
         return "cuda"
     return "cpu"
@@ -68,7 +70,9 @@ def init_mesh(
     world = dist.get_world_size()
     shape = (world,) if shape is None else ((shape,) if isinstance(shape, int) else tuple(shape))
     if any((not isinstance(s, int)) or s < 1 for s in shape):
-        raise MeshError(f"init_mesh: shape {shape} must be positive integers")
+        raise MeshError(
+            f"init_mesh: shape {shape} must be positive integers, e.g. init_mesh((2, 2))"
+        )
     if math.prod(shape) != world:
         raise MeshError(
             f"init_mesh: mesh shape {shape} holds {math.prod(shape)} ranks but the world "
@@ -80,6 +84,11 @@ def init_mesh(
             raise MeshError(
                 f"init_mesh: {len(names)} names {names} for a {len(shape)}-D shape {shape}; "
                 "give one name per mesh dimension"
+            )
+        if not all(isinstance(n, str) and n for n in names):
+            raise MeshError(
+                f"init_mesh: mesh dimension names {names} must be non-empty strings, "
+                "e.g. ('dp', 'tp')"
             )
         if len(set(names)) != len(names):
             raise MeshError(f"init_mesh: mesh dimension names {names} must be distinct")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ class Options:
       that fails, is an error rather than a note in the report.
     debug_dir: write every graph before and after each pass, the collectives
       table and the strategy there (also set by TORCH_HCA_DEBUG_DIR).
-    mode: torch.compile's `mode=`, recorded and handed to Inductor.
+    mode: torch.compile's `mode=`, recorded in the report (not yet acted on).
     """
 
     inner: str = "eager"
@@ -33,6 +34,11 @@ class Options:
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None, mode: str | None = None) -> "Options":
+        if options is not None and not isinstance(options, Mapping):
+            raise OptionsError(
+                f"backend 'hca': options must be a dict, got {type(options).__name__} {options!r}; "
+                "write options={'inner': 'inductor'}"
+            )
         options = dict(options or {})
         known = {f.name for f in dataclasses.fields(cls)} - {"mode"}
         unknown = sorted(set(options) - known)
@@ -47,4 +53,8 @@ class Options:
         if not isinstance(strict, bool):
             raise OptionsError(f"backend 'hca': options['strict'] must be a bool, got {strict!r}")
         debug_dir = options.get("debug_dir") or os.environ.get("TORCH_HCA_DEBUG_DIR")
+        if debug_dir is not None and not isinstance(debug_dir, (str, os.PathLike)):
+            raise OptionsError(
+                f"backend 'hca': options['debug_dir'] must be a directory path, got {debug_dir!r}"
+            )
         return cls(inner=inner, strict=strict, debug_dir=debug_dir, mode=mode)

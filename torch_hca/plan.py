@@ -1,7 +1,7 @@
 """`hca.sharded`: a parameter storage plan, validated eagerly and applied to a module.
 
 A plan maps parameter-name glob patterns to a layout: one placement per mesh
-dimension (a bare placement on a 1-D mesh)::
+dimension (a bare placement on a 1-D mesh; a bare ``Replicate()`` on any mesh)::
 
     @hca.sharded({"fc1.*": Shard(0), "fc2.weight": Shard(1)}, inputs=Replicate())
     class MLP(nn.Module): ...
@@ -45,7 +45,13 @@ def parameter_name(t: torch.Tensor) -> str | None:
 
 
 def _layout(value: Any, mesh: DeviceMesh, what: str) -> Layout:
-    """Normalize a placement or a tuple of placements to one per mesh dimension."""
+    """Normalize a placement or a tuple of placements to one per mesh dimension.
+
+    A bare placement stands for a 1-D mesh, except a bare ``Replicate()``, which
+    is unambiguous on any mesh: replicated over every mesh dimension.
+    """
+    if isinstance(value, Replicate):
+        return (Replicate(),) * mesh.ndim
     layout = (value,) if isinstance(value, Placement) else value
     if not isinstance(layout, tuple) or not all(isinstance(p, Placement) for p in layout):
         raise PlanError(

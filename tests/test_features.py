@@ -1,0 +1,48 @@
+"""Behaviour beyond the basic step, on real gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+import dist_cases
+
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_graph_break_and_several_outputs(worlds, world_size):
+    r = worlds(world_size).run(dist_cases.graph_break_two_outputs)[0]
+    assert r["out_err"] <= TOL and r["grad_err"] <= TOL
+    assert r["graphs"] == 2, "a graph break makes two compiled graphs"
+    # The break splits TwoStage.forward; Dynamo then runs the sharded wrapper's
+    # frame (input and output conversion, including the final P -> R of both
+    # results) eagerly, so only b's input all-reduce lands in a compiled graph.
+    assert r["forward"] == {"all_reduce": 1}
+
+
+# The MLP recompiles once with a dynamic batch size (Dynamo's default). The
+# transformer block needs dynamic=False: DTensor in torch 2.13 cannot shard the
+# batched attention matmul under a symbolic batch size, so it recompiles per size.
+@pytest.mark.parametrize("case,dynamic", [("mlp", None), ("block", False)])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_inference_then_other_batch_sizes(worlds, world_size, case, dynamic):
+    r = worlds(world_size).run(dist_cases.inference_and_batch_sizes, case, dynamic)[0]
+    assert r["inference_err"] <= TOL
+    assert r["inference_graph"] and not r["inference_requires_grad"]
+    for batch in (2, 3):
+        assert r[f"out_err_{batch}"] <= TOL and r[f"grad_err_{batch}"] <= TOL
+    assert r["graphs"] >= 2, "no_grad and training compile separate graphs"
+
+
+def test_inner_dtensor_runs_the_dtensor_program(worlds):
+    r = worlds(2).run(dist_cases.inner, "dtensor")[0]
+    assert r["out_err"] <= TOL and r["grad_err"] <= TOL
+    assert not r["has_c10d_graphs"], "inner='dtensor' must not go through AOTAutograd"
+    # Attention reached the program as ops DTensor can shard (rewrites.py).
+    assert "scaled_dot_product" not in r["dtensor_code"] and "bmm" in r["dtensor_code"]
+
+
+def test_inner_inductor(worlds):
+    r = worlds(2).run(dist_cases.inner, "inductor")[0]
+    assert r["out_err"] <= TOL and r["grad_err"] <= TOL
+    assert r["has_c10d_graphs"]
