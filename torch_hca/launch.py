@@ -137,8 +137,13 @@ class LocalWorld:
         if failures or waiting:
             self.close()
             if failures:
-                rank = min(failures)
-                raise RankError(rank, *failures[rank])
+                # A dead process is the cause; the errors it provokes in its peers are echoes.
+                rank = min(failures, key=lambda r: (not failures[r][0].startswith("process exit"), r))
+                kind, text = failures[rank]
+                others = sorted(set(failures) - {rank})
+                if others:
+                    text += f"\n(ranks {others} failed too, after it: {[failures[r][0] for r in others]})"
+                raise RankError(rank, kind, text)
             rank = min(waiting)
             raise RankError(rank, "a timeout", f"rank {rank} did not finish within {timeout_s:.0f} s")
         return [results[r] for r in range(self.world_size)]

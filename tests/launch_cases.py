@@ -1,0 +1,72 @@
+"""Functions the launch tests run on local ranks (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import torch_hca as hca
+
+
+def rank_and_sum(offset: int) -> tuple[int, int, float]:
+    t = torch.tensor([float(dist.get_rank() + offset)])
+    dist.all_reduce(t)
+    return dist.get_rank(), os.getpid(), t.item()
+
+
+def raise_on_rank_1() -> int:
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 refuses")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # blocks: rank 1 never joins
+    return 0
+
+
+def die_on_rank_1() -> int:
+    if dist.get_rank() == 1:
+        os._exit(3)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return 0
+
+
+def listening_addresses(pid: int | None = None) -> list[str]:
+    """Local addresses of the TCP sockets process `pid` (default: this one) listens on."""
+    pid = pid or os.getpid()
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                local, state, inode = cols[1], cols[3], cols[9]
+                if state == "0A" and inode in inodes:  # 0A: LISTEN
+                    found.append(_address(local))
+    return found
+
+
+def _address(hex_addr: str) -> str:
+    host, port = hex_addr.split(":")
+    if len(host) == 8:  # IPv4, little-endian
+        return ".".join(str(int(host[i:i + 2], 16)) for i in (6, 4, 2, 0)) + f":{int(port, 16)}"
+    return f"[{host}]:{int(port, 16)}"
+
+
+def rank_listeners_after_collective() -> list[str]:
+    t = torch.ones(1)
+    dist.all_reduce(t)  # gloo's pair sockets exist by now
+    return listening_addresses()
+
+
+def mesh_backend() -> str:
+    mesh = hca.init_mesh()
+    return f"{dist.get_backend()} {mesh.device_type} {tuple(mesh.shape)}"

@@ -1,0 +1,88 @@
+"""`python -m torch_hca demo`: tensor-parallel transformer block on 2 local gloo ranks.
+
+Compiles the block with backend "hca", prints the DTensor program and the
+collectives table, trains a few Adam steps next to a single-device copy of
+the same model, and checks gradients and parameters against it.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+
+from . import zoo
+from .launch import launch
+from .mesh import init_mesh
+from .plan import sharded
+from .report import report
+
+DIM, HEADS, HIDDEN, BATCH, SEQ, STEPS = 64, 4, 256, 4, 16, 5
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def run_rank() -> dict:
+    mesh = init_mesh()
+    torch.manual_seed(0)
+    ref = zoo.TransformerBlock(DIM, HEADS, HIDDEN)
+    model = sharded(zoo.TP_BLOCK, mesh=mesh)(copy.deepcopy(ref))
+    compiled = torch.compile(model, backend="hca")
+    opt, ref_opt = torch.optim.Adam(model.parameters(), 1e-3), torch.optim.Adam(ref.parameters(), 1e-3)
+    grad_err, times = 0.0, []
+    start = time.perf_counter()
+    for step in range(STEPS):
+        x = torch.randn(BATCH, SEQ, DIM)
+        t0 = time.perf_counter()
+        loss = compiled(x).square().mean()
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        if step == 0:
+            compile_s = time.perf_counter() - start
+        ref_loss = ref(x).square().mean()
+        ref_loss.backward()
+        refs = dict(ref.named_parameters())
+        grad_err = max(grad_err, *(_rel(p.grad.full_tensor(), refs[n].grad) for n, p in model.named_parameters()))
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    refs = dict(ref.named_parameters())
+    param_err = max(_rel(p.full_tensor(), refs[n]) for n, p in model.named_parameters())
+    rep = report(compiled)
+    return {
+        "program": rep.dtensor_code.strip(),
+        "table": rep.table(),
+        "forward": rep.collective_counts("forward"),
+        "backward": rep.collective_counts("backward"),
+        "loss": loss.item(),
+        "ref_loss": ref_loss.item(),
+        "grad_err": grad_err,
+        "param_err": param_err,
+        "compile_s": compile_s,
+        "step_ms": 1e3 * statistics.median(times[1:]),
+    }
+
+
+def main(world_size: int = 2) -> int:
+    print(f"torch_hca demo: transformer block (dim {DIM}, {HEADS} heads, MLP {HIDDEN}), "
+          f"tensor parallel over {world_size} local gloo ranks\n")
+    results = launch(run_rank, world_size)
+    r = results[0]
+    print("== DTensor program (rank 0) ==")
+    print(r["program"])
+    print("\n== collectives in the compiled graphs ==")
+    print(r["table"])
+    ok = all(x["grad_err"] <= 1e-5 and x["param_err"] <= 1e-5 for x in results)
+    print("\n== summary ==")
+    print(f"collectives per step: forward {r['forward']}, backward {r['backward']}")
+    print(f"final loss {r['loss']:.6f} (single device {r['ref_loss']:.6f}) after {STEPS} Adam steps")
+    print(f"max gradient relative error vs single device: {max(x['grad_err'] for x in results):.2e}")
+    print(f"max parameter relative error after {STEPS} steps: {max(x['param_err'] for x in results):.2e}")
+    print(f"first call (compile + step) {r['compile_s']:.1f} s; median step {r['step_ms']:.1f} ms")
+    print("PASS: gradients match a single device (rel err <= 1e-5)" if ok else "FAIL: gradients differ from a single device")
+    return 0 if ok else 1
