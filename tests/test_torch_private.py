@@ -1,0 +1,138 @@
+"""One test per wrapper in `torch_hca._torch_private`, the only home of private torch APIs.
+
+A torch upgrade that moves one of them fails here first, under the wrapper's name.
+All run on the fake process group: placements and shapes only, never numbers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+import torch_hca as hca
+from torch_hca import _torch_private as tp
+from torch_hca import zoo
+
+aten = torch.ops.aten
+
+
+def test_graph_arg_example_is_the_real_parameter(fake_pg):
+    # Dynamo erases the examples once the backend returns: read them inside it, as the pipeline does.
+    seen: list[dict] = []
+
+    def be(gm, example_inputs):
+        seen.append({n.name: tp.graph_arg_example(n) for n in gm.graph.find_nodes(op="placeholder")})
+        return gm.forward
+
+    torch.manual_seed(0)
+    model = hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP())
+    x = torch.randn(8, 16)
+    torch.compile(model, backend=be)(x)
+    assert len(seen) == 1
+
+    examples = seen[0]
+    by_id = {id(v): name for name, v in examples.items() if v is not None}
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor)
+        assert id(p) in by_id, f"no placeholder of the Dynamo graph carries parameter {name}"
+        assert examples[by_id[id(p)]] is p  # the real parameter, not a fake copy
+    assert any(v is x for v in examples.values()), "the user input is a graph argument too"
+
+
+def test_graph_arg_example_is_none_without_a_grapharg():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    assert tp.graph_arg_example(x) is None
+
+    class Erased:  # a GraphArg whose example is gone (erased, or an expired weakref)
+        @property
+        def example(self):
+            raise RuntimeError("erased")
+
+    x.meta["grapharg"] = Erased()
+    assert tp.graph_arg_example(x) is None
+
+
+@pytest.mark.parametrize("fake_pg", [2, 4], indirect=True)
+def test_group_size(fake_pg):
+    name = fake_pg.get_group().group_name
+    assert isinstance(name, str)
+    assert tp.group_size(name) == fake_pg.size() == torch.distributed.get_world_size()
+
+
+def test_record_implicit_redistributions(fake_pg):
+    sharded = distribute_tensor(torch.randn(8, 4), fake_pg, [Shard(0)])
+    replicated = distribute_tensor(torch.randn(8, 4), fake_pg, [Replicate()])
+    from torch.distributed.tensor._dispatch import OpDispatcher
+
+    original = OpDispatcher.__dict__["redistribute_local_args"]
+
+    with tp.record_implicit_redistributions() as events:
+        out = sharded + replicated
+    assert out.placements == (Shard(0),)
+    assert len(events) == 1, events
+    (e,) = events
+    assert isinstance(e, tp.RedistributionEvent)
+    assert e.op == aten.add.Tensor
+    assert e.arg_index == 1  # DTensor moves the replicated argument, no communication
+    assert e.src.placements == (Replicate(),) and e.dst.placements == (Shard(0),)
+    assert e.src.shape == e.dst.shape == torch.Size([8, 4])
+
+    # An explicit redistribute is not implicit; an op that needs no move records nothing.
+    with tp.record_implicit_redistributions() as events:
+        moved = replicated.redistribute(fake_pg, [Shard(0)])
+        sharded.redistribute(fake_pg, [Replicate()])
+        (sharded + moved).sum()
+    assert events == []
+
+    # The dispatcher is restored on exit, also when the body raises.
+    assert OpDispatcher.__dict__["redistribute_local_args"] is original
+    with pytest.raises(ZeroDivisionError):
+        with tp.record_implicit_redistributions():
+            1 / 0
+    assert OpDispatcher.__dict__["redistribute_local_args"] is original
+    with tp.record_implicit_redistributions() as events:
+        pass
+    sharded + replicated  # outside the context: not recorded
+    assert events == []
+
+
+def test_fake_mode_of(fake_pg):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = distribute_tensor(torch.randn(8, 4), fake_pg, [Shard(0)])
+    assert tp.fake_mode_of([real, torch.ones(2), None, 3]) is None
+    assert tp.fake_mode_of([]) is None
+
+    mode = FakeTensorMode()
+    with mode:
+        local = torch.empty(2, 4)
+        fake_dt = DTensor.from_local(local, fake_pg, [Shard(0)], run_check=False)
+    assert isinstance(fake_dt, DTensor) and fake_dt.shape == torch.Size([8, 4])
+    assert tp.fake_mode_of([None, real, fake_dt]) is mode
+    assert tp.fake_mode_of([local]) is mode  # a plain fake tensor too
+
+
+def test_redistribute_to_partial(fake_pg):
+    x = distribute_tensor(torch.randn(8, 4), fake_pg, [Replicate()]).requires_grad_()
+    # What the wrapper is for: the public API refuses the move.
+    with pytest.raises(RuntimeError, match="Partial"):
+        x.redistribute(fake_pg, [Partial("sum")])
+
+    y = tp.redistribute_to_partial(x, (Partial("sum"),))
+    assert isinstance(y, DTensor)
+    assert y.placements == (Partial("sum"),)
+    assert y.device_mesh is x.device_mesh
+    assert y.shape == x.shape == torch.Size([8, 4])
+    assert y.to_local().shape == torch.Size([8, 4])
+    assert y.dtype == x.dtype
+    assert y.full_tensor().shape == torch.Size([8, 4])
+
+    # Differentiable: the cotangent comes back to x in x's placement.
+    y.to_local().sum().backward()
+    assert x.grad is not None and x.grad.placements == (Replicate(),) and x.grad.shape == x.shape
+
+    half = distribute_tensor(torch.randn(8, 4), fake_pg, [Replicate()]).to(torch.bfloat16)
+    assert tp.redistribute_to_partial(half, (Partial("sum"),)).dtype == torch.bfloat16
