@@ -23,6 +23,7 @@ def fake_pg(request):
 
     world_size = getattr(request, "param", 4)
     torch._dynamo.reset()
+    reset_current_mesh()  # also clears DTensor's sharding cache (see _torch_private)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield hca.init_mesh()

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import torch_hca as hca
+from torch_hca._torch_private import clear_dtensor_sharding_cache
 from torch_hca import zoo
 from torch_hca.mesh import reset_current_mesh
 
@@ -70,17 +71,7 @@ def normalize_table(table: str) -> str:
 
 
 def _clear_sharding_prop_cache():
-    """Forget DTensor's cached sharding decisions (Python and C++ fast path).
-
-    The caches key on specs whose meshes compare equal across process groups, so
-    without this a parameter made after an earlier test keeps that test's (destroyed)
-    mesh object instead of the current one, and AOTAutograd then saves a different
-    one of the duplicate mesh inputs for backward: the graphs would depend on which
-    tests ran before.
-    """
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache as clear
-
-    clear()
+    clear_dtensor_sharding_cache()
 
 
 class FakePGTestCase(expecttest.TestCase):

@@ -230,15 +230,9 @@ def test_moving_a_node_before_an_input_is_rejected(order, data):
 
 
 # ---------------------------------------------------------------------------
-# Known gaps in the checker (see the reasons): strict xfails, so a fix shows up
-# as XPASS and fails the run until the marker is removed.
+# Coalesced collectives, writes by keyword, writes through views.
 
 
-@pytest.mark.xfail(strict=True, raises=hca.CheckError, reason=(
-    "check_order treats the coalesced op node itself as the in-flight value, but its "
-    "results are read through getitem nodes and each getitem is waited on: every "
-    "legal coalesced collective is rejected"
-))
 def test_accepts_a_coalesced_collective():
     g = fx.Graph()
     a, b = g.placeholder("a"), g.placeholder("b")
@@ -249,7 +243,6 @@ def test_accepts_a_coalesced_collective():
     check_order(module(g))
 
 
-@pytest.mark.xfail(strict=True, reason="check_order reads writes from positional args only: out= is missed")
 def test_rejects_an_out_variant_writing_the_input_in_flight():
     g, nodes = one_chain()
     other = next(iter(g.find_nodes(op="placeholder")))
@@ -259,7 +252,6 @@ def test_rejects_an_out_variant_writing_the_input_in_flight():
         check_order(module(g))
 
 
-@pytest.mark.xfail(strict=True, reason="check_order compares written nodes by identity: a write through a view is missed")
 def test_rejects_a_write_through_a_view_of_the_input_in_flight():
     g, nodes = one_chain()
     with g.inserting_before(nodes["wait"]):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
@@ -136,3 +137,21 @@ def test_redistribute_to_partial(fake_pg):
 
     half = distribute_tensor(torch.randn(8, 4), fake_pg, [Replicate()]).to(torch.bfloat16)
     assert tp.redistribute_to_partial(half, (Partial("sum"),)).dtype == torch.bfloat16
+
+
+def test_clear_dtensor_sharding_cache_keeps_parameters_on_the_new_mesh():
+    """After a process group is made again, new DTensors live on the new mesh, not a cached dead one."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch_hca.mesh import reset_current_mesh
+
+    meshes = []
+    for _ in range(2):
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+        try:
+            mesh = hca.init_mesh()
+            t = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]) + 1
+            meshes.append((mesh, t.device_mesh))
+        finally:
+            dist.destroy_process_group()
+            reset_current_mesh()
+    assert all(made is used for made, used in meshes)

@@ -99,3 +99,15 @@ def redistribute_to_partial(x, placements):
     dtype = x._local_tensor.dtype
     config = {"op_dtype": dtype, "out_dtype": dtype, "backward_options": {"op_dtype": dtype, "out_dtype": dtype}}
     return Redistribute.apply(x, x.device_mesh, tuple(placements), False, config)
+
+
+def clear_dtensor_sharding_cache() -> None:
+    """Forget DTensor's cached sharding decisions (Python and C++ fast path).
+
+    Its caches key on specs whose meshes compare equal across process groups:
+    after a process group is destroyed and made again, a cached decision would
+    hand back the old (dead) mesh object.
+    """
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()

@@ -54,6 +54,7 @@ class OpInfo:
     kind: Kind
     payload: str  # which tensor is the full logical buffer: "input" or "output"
     group_arg: int  # position of the group name argument
+    coalesced: bool = False  # takes and returns a list of tensors
 
 
 # Keyed by OpOverload, never by name. Coalesced forms count as one collective
@@ -68,11 +69,11 @@ def _register(op, info: OpInfo) -> None:
 
 
 _register(c10d.all_reduce.default, OpInfo(Kind.ALL_REDUCE, "input", 2))
-_register(c10d.all_reduce_coalesced.default, OpInfo(Kind.ALL_REDUCE, "input", 2))
+_register(c10d.all_reduce_coalesced.default, OpInfo(Kind.ALL_REDUCE, "input", 2, coalesced=True))
 _register(c10d.all_gather_into_tensor.default, OpInfo(Kind.ALL_GATHER, "output", 2))
-_register(c10d.all_gather_into_tensor_coalesced.default, OpInfo(Kind.ALL_GATHER, "output", 2))
+_register(c10d.all_gather_into_tensor_coalesced.default, OpInfo(Kind.ALL_GATHER, "output", 2, coalesced=True))
 _register(c10d.reduce_scatter_tensor.default, OpInfo(Kind.REDUCE_SCATTER, "input", 3))
-_register(c10d.reduce_scatter_tensor_coalesced.default, OpInfo(Kind.REDUCE_SCATTER, "input", 3))
+_register(c10d.reduce_scatter_tensor_coalesced.default, OpInfo(Kind.REDUCE_SCATTER, "input", 3, coalesced=True))
 _register(c10d.all_to_all_single.default, OpInfo(Kind.ALL_TO_ALL, "input", 3))
 _register(c10d.broadcast.default, OpInfo(Kind.BROADCAST, "input", 2))
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ._torch_private import clear_dtensor_sharding_cache
 from .errors import MeshError
 
 _current_mesh: DeviceMesh | None = None
@@ -66,6 +67,7 @@ def init_mesh(
     device_type = device_type or _default_device_type()
     backend_for(device_type)  # validate early
     if not dist.is_initialized():
+        clear_dtensor_sharding_cache()  # decisions cached under an earlier group name dead meshes
         _init_process_group(device_type)
     world = dist.get_world_size()
     shape = (world,) if shape is None else ((shape,) if isinstance(shape, int) else tuple(shape))
@@ -105,3 +107,4 @@ def reset_current_mesh() -> None:
     """Forget the current mesh (after the process group is destroyed)."""
     global _current_mesh
     _current_mesh = None
+    clear_dtensor_sharding_cache()

@@ -154,10 +154,10 @@ class CompileReport:
         """The collectives table as aligned text."""
         head = ("graph", "dir", "kind", "group", "n", "shape", "dtype", "bytes", "wire/rank", "partner", "rule")
         rows = [head]
-        for g in self.graphs:
+        for position, g in enumerate(self.graphs):  # position in this report, not the global index
             for c in g.collectives:
                 rows.append((
-                    str(g.index), c.direction[:3], c.kind, c.group, str(c.group_size),
+                    str(position), c.direction[:3], c.kind, c.group, str(c.group_size),
                     "x".join(map(str, c.shape)) or "scalar", c.dtype.replace("torch.", ""),
                     str(c.bytes), f"{c.wire_bytes:.0f}", c.partner or "-", c.rule,
                 ))
