@@ -97,6 +97,7 @@ def parity(case_name: str, steps: int = 3, options: dict | None = None) -> dict[
             result["out_err"] = rel_err(full(out, mesh, case.outputs), ref_out)
             result["grad_errs"] = grad_errors(model, ref)
             result["grad_placements"] = {n: str(p.grad.placements) for n, p in model.named_parameters()}
+            result["partial_gradients"] = [g["parameter"] for g in hca.report(compiled).partial_gradients()]
         opt.step()
         ref_opt.step()
         opt.zero_grad()

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import collections
 import json
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from .errors import HCAError
 
@@ -115,8 +116,9 @@ def new_graph_report(options: Any) -> GraphReport:
 class CompileReport:
     """The graphs of one compiled module and what the passes decided for them."""
 
-    def __init__(self, graphs: list[GraphReport]):
+    def __init__(self, graphs: list[GraphReport], module: torch.nn.Module | None = None):
         self.graphs = graphs
+        self._module = weakref.ref(module) if module is not None else None
 
     @property
     def graph(self) -> GraphReport:
@@ -166,6 +168,27 @@ class CompileReport:
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
 
+    def partial_gradients(self) -> list[dict[str, Any]]:
+        """Parameters whose current ``.grad`` is still Partial.
+
+        DTensor leaves a replicated parameter's gradient Partial and reduces it
+        outside the compiled graphs, one parameter at a time, wherever it is next
+        needed replicated (typically in ``optimizer.step``): these reductions are
+        not in `table`. Read this after ``backward()`` and before the step.
+        """
+        module = self._module() if self._module is not None else None
+        if module is None:
+            return []
+        pending = []
+        for name, p in module.named_parameters():
+            g = p.grad
+            if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+                pending.append({
+                    "parameter": name, "placements": layout_str(g.placements),
+                    "bytes": g.numel() * g.element_size(),
+                })
+        return pending
+
     def strategy(self) -> dict[str, Any]:
         """The strategy as JSON-ready data (versioned)."""
         return {
@@ -193,6 +216,10 @@ class CompileReport:
         for g in self.graphs:
             parts.append(f"== graph {g.index}: DTensor program ==\n{g.dtensor_code.strip()}")
         parts.append("== collectives ==\n" + self.table())
+        pending = self.partial_gradients()
+        if pending:
+            lines = [f"{p['parameter']} {p['placements']} {p['bytes']} bytes" for p in pending]
+            parts.append("== gradients left Partial, reduced outside the graphs on first use ==\n" + "\n".join(lines))
         return "\n\n".join(parts)
 
 
@@ -218,4 +245,4 @@ def report(compiled: Any = None) -> CompileReport:
             f"hca.report: no graph of this {type(module).__name__} was compiled with backend='hca'; "
             "call the compiled module once first"
         )
-    return CompileReport(graphs)
+    return CompileReport(graphs, module)
