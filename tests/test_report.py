@@ -1,0 +1,71 @@
+"""`hca.report`: its artifacts, options reaching the backend, debug dumps (fake process group)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import torch_hca as hca
+from torch_hca import zoo
+
+
+def compile_mlp(**kwargs):
+    torch.manual_seed(0)
+    model = hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP())
+    compiled = torch.compile(model, backend="hca", **kwargs)
+    compiled(torch.randn(8, 16)).sum().backward()
+    return compiled
+
+
+def test_report_artifacts(fake_pg):
+    rep = hca.report(compile_mlp())
+    g = rep.graph
+    assert isinstance(g.joint, torch.fx.GraphModule) and rep.forward is not None and rep.backward is not None
+    # The row-parallel bias, made explicit by the layout pass; the output's P -> R.
+    assert [(r.src, r.dst) for r in g.redistributions] == [("(R)", "(P(sum))"), ("(P(sum))", "(R)")]
+    assert g.redistributions[0].value == "l_self_modules_fc2_parameters_bias_"
+    assert g.redistributions[0].reason.endswith("needs it")
+    assert g.redistributions[1].reason == "explicit in the program"
+    assert set(g.parameters) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    assert g.parameters["fc2.weight"]["placements"] == "(S(1))"
+    (c,) = rep.collectives
+    assert (c.kind, c.direction, c.group_size, c.bytes, c.shape) == ("all_reduce", "forward", 4, 8 * 16 * 4, (8, 16))
+    assert c.wire_bytes == 2 * 3 / 4 * c.bytes  # ring all-reduce: 2(n-1)/n of the payload
+    assert [p.name for p in g.passes] == ["layout", "transpose", "schedule_forward", "schedule_backward"]
+    assert g.schedules["forward"]["per_group"] and g.schedules["backward"]["per_group"] == {}
+
+
+def test_strategy_is_json_and_versioned(fake_pg):
+    data = json.loads(hca.report(compile_mlp()).to_json())
+    assert data["version"] == 1 and data["mesh"] == {"shape": [4], "names": [], "device_type": "cpu"}
+    (graph,) = data["graphs"]
+    assert graph["parameters"]["fc1.weight"]["shape"] == [32, 16]
+    assert any(v["placements"] == "(P(sum))" for v in graph["values"].values())
+
+
+def test_mode_and_options_reach_the_backend(fake_pg):
+    rep = hca.report(compile_mlp(mode="max-autotune-no-cudagraphs"))
+    assert rep.graph.options.mode == "max-autotune-no-cudagraphs"
+    torch._dynamo.reset()
+    rep = hca.report(compile_mlp(options={"strict": True}))
+    assert rep.graph.options.strict and rep.graph.implicit_redistributions == []
+
+
+def test_debug_dir_dumps_every_stage(fake_pg, tmp_path):
+    compile_mlp(options={"debug_dir": str(tmp_path)})
+    names = {p.name.split("_", 1)[1] for p in tmp_path.iterdir()}
+    for stage in ("dynamo.py", "layout_before.py", "layout_after.py", "transpose_after.py",
+                  "schedule_forward_after.py", "schedule_backward_after.py", "collectives.txt", "strategy.json"):
+        assert stage in names, f"{stage} not dumped; got {sorted(names)}"
+
+
+def test_report_without_argument_is_the_last_graph(fake_pg):
+    compiled = compile_mlp()
+    assert hca.report().graph is hca.report(compiled).graph
+
+
+def test_str_shows_program_and_table(fake_pg):
+    text = str(hca.report(compile_mlp()))
+    assert "DTensor program" in text and "all_reduce" in text and "torch_hca_dtensor_ops_redistribute" in text
