@@ -23,6 +23,7 @@ from torch_hca.errors import HCAError, UnsupportedError
 from torch_hca.report import CollectiveRecord, CompileReport, GraphReport, layout_str, new_graph_report
 from torch_hca.passes.infra import PassContext, dump, run_pass
 from torch_hca.passes.layout import LayoutPass
+from torch_hca.passes.roles import CotangentRolePass
 from torch_hca.passes.schedule import SchedulePass
 from torch_hca.passes.transpose import PARTNER, RULE, TransposePass
 
@@ -36,6 +37,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
     report.dynamo_graph = gm
     dump(ctx, "dynamo", gm.code)
     gm = run_pass(LayoutPass(), gm, ctx)
+    gm = run_pass(CotangentRolePass(), gm, ctx)
     report.dtensor_program = gm
     if options.inner == "dtensor":
         return gm.forward

@@ -10,6 +10,7 @@ spawned ranks; no pytest here.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -17,9 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_hca as hca
 from torch_hca import zoo
+from torch_hca.collective_kinds import OPS
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class Case:
     inputs: Any
     outputs: Any
     x_shape: tuple[int, ...]
+    grad_reduction: str = "eager"
 
 
 ONE_D = lambda ws: ((ws,), ("tp",))
@@ -38,6 +42,7 @@ TWO_D = lambda ws: ((ws // 2, 2), ("dp", "tp"))
 CASES = {
     "mlp": Case(zoo.MLP, zoo.MEGATRON_MLP, ONE_D, Replicate(), Replicate(), (8, 16)),
     "dp": Case(lambda: zoo.DeepMLP(16, 4), {}, lambda ws: ((ws,), ("dp",)), Shard(0), Shard(0), (8, 16)),
+    "dp_deferred": Case(lambda: zoo.DeepMLP(16, 4), {}, lambda ws: ((ws,), ("dp",)), Shard(0), Shard(0), (8, 16), "deferred"),
     "2d": Case(zoo.MLP, zoo.two_d(zoo.MEGATRON_MLP), TWO_D, (Shard(0), Replicate()), (Shard(0), Replicate()), (8, 16)),
     "block": Case(zoo.TransformerBlock, zoo.TP_BLOCK, ONE_D, Replicate(), Replicate(), (2, 6, 16)),
 }
@@ -70,8 +75,11 @@ def setup(case: Case, options: dict | None = None, seed: int = 0, dynamic: bool 
     mesh = hca.init_mesh(shape, names)
     torch.manual_seed(seed)
     ref = case.make()
-    model = hca.sharded(case.plan, mesh=mesh, inputs=case.inputs, outputs=case.outputs)(copy.deepcopy(ref))
-    compiled = torch.compile(model, backend="hca", options=options, dynamic=dynamic)
+    model = hca.sharded(
+        case.plan, mesh=mesh, inputs=case.inputs, outputs=case.outputs, grad_reduction=case.grad_reduction,
+    )(copy.deepcopy(ref))
+    # Strict in tests: an implicit redistribution or an unexplained backward collective fails.
+    compiled = torch.compile(model, backend="hca", options={"strict": True, **(options or {})}, dynamic=dynamic)
     return mesh, ref, model, compiled
 
 
@@ -188,4 +196,44 @@ def inner(name: str) -> dict[str, Any]:
         "grad_err": max(grad_errors(model, ref).values()),
         "has_c10d_graphs": rep.forward is not None,
         "dtensor_code": rep.dtensor_code,
+    }
+
+
+class CountCollectives(TorchDispatchMode):
+    """Counts the `_c10d_functional` collectives actually issued, by kind."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        info = OPS.get(func)
+        if info is not None:
+            self.counts[info.kind.value] = self.counts.get(info.kind.value, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def accumulate(role: str, microbatches: int = 4) -> dict[str, Any]:
+    """Gradient accumulation over `microbatches` under one gradient role, collectives counted."""
+    case = dataclasses.replace(CASES["dp"], grad_reduction=role)
+    mesh, ref, model, compiled = setup(case)
+    xs = [torch.randn(case.x_shape) for _ in range(microbatches)]
+    for x in xs:
+        loss_of(compiled(local_piece(x, mesh, case.inputs))).backward()
+    # Every run of the backward graph issues all of its collectives (no branches).
+    per_backward = hca.report(compiled).collective_counts("backward")
+    in_backward = {kind: n * microbatches for kind, n in per_backward.items()}
+    before = sorted({str(p.grad.placements) for p in model.parameters()})
+    with CountCollectives() as counter:  # eager code: the dispatcher sees every collective
+        buckets = hca.reduce_gradients(model)
+    for x in xs:
+        loss_of(ref(x)).backward()
+    return {
+        "in_backward": in_backward,
+        "in_reduce_gradients": counter.counts,
+        "placements_before_reduce": before,
+        "buckets": [(len(b.parameters), b.bytes) for b in buckets],
+        "grad_err": max(grad_errors(model, ref).values()),
+        "placements": sorted({str(p.grad.placements) for p in model.parameters()}),
+        "parameters": sum(1 for _ in model.parameters()),
     }

@@ -146,10 +146,11 @@ def forward(
     l_self_modules_fc1_parameters_bias_ = L_self_modules_fc1_parameters_bias_
     l_self_modules_fc2_parameters_weight_ = L_self_modules_fc2_parameters_weight_
     l_self_modules_fc2_parameters_bias_ = L_self_modules_fc2_parameters_bias_
+    reduce_gradient_eagerly = torch_hca_dtensor_ops_reduce_gradient_eagerly(l_self_modules_fc2_parameters_bias_)
     from_local = torch.distributed.tensor._api.from_local(l_args_0_, l_self_hca_spec_mesh, (Replicate(),), run_check = False)
     linear = torch._C._nn.linear(from_local, l_self_modules_fc1_parameters_weight_, l_self_modules_fc1_parameters_bias_)
     gelu = torch._C._nn.gelu(linear)
-    redistribute_1 = torch_hca_dtensor_ops_redistribute(l_self_modules_fc2_parameters_bias_, (Partial('sum'),))
+    redistribute_1 = torch_hca_dtensor_ops_redistribute(reduce_gradient_eagerly, (Partial('sum'),))
     out = torch._C._nn.linear(gelu, l_self_modules_fc2_parameters_weight_, redistribute_1)
     redistribute = out.redistribute(l_self_hca_spec_mesh, (Replicate(),))
     to_local = redistribute.to_local(grad_placements = (Replicate(),))
@@ -171,47 +172,48 @@ def forward(
     primals_9,
     primals_10,
 ):
-    view = torch.ops.aten.view.default(primals_1, [8, 16])
+    view = torch.ops.aten.view.default(primals_9, [16])
+    view_1 = torch.ops.aten.view.default(primals_1, [8, 16])
     t = torch.ops.aten.t.default(primals_3)
-    addmm = torch.ops.aten.addmm.default(primals_5, view, t)
+    addmm = torch.ops.aten.addmm.default(primals_5, view_1, t)
     gelu = torch.ops.aten.gelu.default(addmm)
-    div = torch.ops.aten.div.Tensor(primals_9, 4)
+    div = torch.ops.aten.div.Tensor(view, 4)
     t_1 = torch.ops.aten.t.default(primals_7)
     addmm_1 = torch.ops.aten.addmm.default(div, gelu, t_1)
     all_reduce = torch.ops._c10d_functional.all_reduce.default(addmm_1, 'sum', '0')
     wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_reduce)
-    view_1 = torch.ops.aten.view.default(wait_tensor, [8, 16])
-    return (view_1, view, addmm, gelu, t_1, primals_2)""")
+    view_2 = torch.ops.aten.view.default(wait_tensor, [8, 16])
+    return (view_2, view_1, addmm, gelu, t_1, primals_2)""")
 
     def test_mlp_backward_graph(self):
         r = self.mlp_report()
         self.assertExpectedInline(normalize(r.backward.code), """\
 def forward(
     self,
-    view,
+    view_1,
     addmm,
     gelu,
     t_1,
     primals_2,
     tangents_1,
 ):
-    view_2 = torch.ops.aten.view.default(tangents_1, [8, 16])
+    view_3 = torch.ops.aten.view.default(tangents_1, [8, 16])
     t_2 = torch.ops.aten.t.default(t_1)
-    mm = torch.ops.aten.mm.default(view_2, t_2)
-    t_3 = torch.ops.aten.t.default(view_2)
+    mm = torch.ops.aten.mm.default(view_3, t_2)
+    t_3 = torch.ops.aten.t.default(view_3)
     mm_1 = torch.ops.aten.mm.default(t_3, gelu)
     t_4 = torch.ops.aten.t.default(mm_1)
-    sum_1 = torch.ops.aten.sum.dim_IntList(view_2, [0], True)
-    view_3 = torch.ops.aten.view.default(sum_1, [16])
+    sum_1 = torch.ops.aten.sum.dim_IntList(view_3, [0], True)
+    view_4 = torch.ops.aten.view.default(sum_1, [16])
     t_5 = torch.ops.aten.t.default(t_4)
     gelu_backward = torch.ops.aten.gelu_backward.default(mm, addmm)
     t_6 = torch.ops.aten.t.default(gelu_backward)
-    mm_2 = torch.ops.aten.mm.default(t_6, view)
+    mm_2 = torch.ops.aten.mm.default(t_6, view_1)
     t_7 = torch.ops.aten.t.default(mm_2)
     sum_2 = torch.ops.aten.sum.dim_IntList(gelu_backward, [0], True)
-    view_4 = torch.ops.aten.view.default(sum_2, [8])
+    view_5 = torch.ops.aten.view.default(sum_2, [8])
     t_8 = torch.ops.aten.t.default(t_7)
-    return (None, None, t_8, primals_2, view_4, primals_2, t_5, primals_2, view_3, primals_2)""")
+    return (None, None, t_8, primals_2, view_5, primals_2, t_5, primals_2, view_4, primals_2)""")
 
     def test_mlp_collectives_table(self):
         r = self.mlp_report()
@@ -246,19 +248,24 @@ def forward(
     l_args_0_ = L_args_0_
     l_self_hca_spec_mesh = L_self_hca_spec_mesh
     l_self_modules_norm1_parameters_weight_ = L_self_modules_norm1_parameters_weight_
+    reduce_gradient_eagerly = torch_hca_dtensor_ops_reduce_gradient_eagerly(l_self_modules_norm1_parameters_weight_)
     l_self_modules_norm1_parameters_bias_ = L_self_modules_norm1_parameters_bias_
+    reduce_gradient_eagerly_1 = torch_hca_dtensor_ops_reduce_gradient_eagerly(l_self_modules_norm1_parameters_bias_)
     l_self_modules_attn_modules_wq_parameters_weight_ = L_self_modules_attn_modules_wq_parameters_weight_
     l_self_modules_attn_modules_wk_parameters_weight_ = L_self_modules_attn_modules_wk_parameters_weight_
     l_self_modules_attn_modules_wv_parameters_weight_ = L_self_modules_attn_modules_wv_parameters_weight_
     l_self_modules_attn_modules_wo_parameters_weight_ = L_self_modules_attn_modules_wo_parameters_weight_
     l_self_modules_norm2_parameters_weight_ = L_self_modules_norm2_parameters_weight_
+    reduce_gradient_eagerly_2 = torch_hca_dtensor_ops_reduce_gradient_eagerly(l_self_modules_norm2_parameters_weight_)
     l_self_modules_norm2_parameters_bias_ = L_self_modules_norm2_parameters_bias_
+    reduce_gradient_eagerly_3 = torch_hca_dtensor_ops_reduce_gradient_eagerly(l_self_modules_norm2_parameters_bias_)
     l_self_modules_mlp_modules_fc1_parameters_weight_ = L_self_modules_mlp_modules_fc1_parameters_weight_
     l_self_modules_mlp_modules_fc1_parameters_bias_ = L_self_modules_mlp_modules_fc1_parameters_bias_
     l_self_modules_mlp_modules_fc2_parameters_weight_ = L_self_modules_mlp_modules_fc2_parameters_weight_
     l_self_modules_mlp_modules_fc2_parameters_bias_ = L_self_modules_mlp_modules_fc2_parameters_bias_
+    reduce_gradient_eagerly_4 = torch_hca_dtensor_ops_reduce_gradient_eagerly(l_self_modules_mlp_modules_fc2_parameters_bias_)
     from_local = torch.distributed.tensor._api.from_local(l_args_0_, l_self_hca_spec_mesh, (Replicate(),), run_check = False)
-    layer_norm = torch.nn.functional.layer_norm(from_local, (16,), l_self_modules_norm1_parameters_weight_, l_self_modules_norm1_parameters_bias_, 1e-05)
+    layer_norm = torch.nn.functional.layer_norm(from_local, (16,), reduce_gradient_eagerly, reduce_gradient_eagerly_1, 1e-05)
     linear = torch._C._nn.linear(layer_norm, l_self_modules_attn_modules_wq_parameters_weight_, None)
     view = linear.view(2, 6, 4, 4)
     q = view.transpose(1, 2)
@@ -294,10 +301,10 @@ def forward(
     redistribute_1 = torch_hca_dtensor_ops_redistribute(from_local, (Partial('sum'),))
     x = redistribute_1.add(linear_3)
     redistribute_2 = torch_hca_dtensor_ops_redistribute(x, (Replicate(),))
-    layer_norm_1 = torch.nn.functional.layer_norm(redistribute_2, (16,), l_self_modules_norm2_parameters_weight_, l_self_modules_norm2_parameters_bias_, 1e-05)
+    layer_norm_1 = torch.nn.functional.layer_norm(redistribute_2, (16,), reduce_gradient_eagerly_2, reduce_gradient_eagerly_3, 1e-05)
     linear_4 = torch._C._nn.linear(layer_norm_1, l_self_modules_mlp_modules_fc1_parameters_weight_, l_self_modules_mlp_modules_fc1_parameters_bias_)
     gelu = torch._C._nn.gelu(linear_4)
-    redistribute_3 = torch_hca_dtensor_ops_redistribute(l_self_modules_mlp_modules_fc2_parameters_bias_, (Partial('sum'),))
+    redistribute_3 = torch_hca_dtensor_ops_redistribute(reduce_gradient_eagerly_4, (Partial('sum'),))
     linear_5 = torch._C._nn.linear(gelu, l_self_modules_mlp_modules_fc2_parameters_weight_, redistribute_3)
     out_1 = x.add(linear_5)
     redistribute = out_1.redistribute(l_self_hca_spec_mesh, (Replicate(),))

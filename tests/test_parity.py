@@ -21,14 +21,15 @@ EXPECTED = {
     # Megatron: one all-reduce after the row-parallel fc2; nothing in backward
     # (the input needs no gradient, the weights' gradients are local).
     "mlp": ({"all_reduce": 1}, {}),
-    # Data parallel: no collective inside the graphs; replicated parameters'
-    # gradients leave the graph Partial and DTensor reduces them on first use.
-    "dp": ({}, {}),
-    # (dp, tp) mesh (world // 2, 2): the tp all-reduce of fc2 in forward. In
-    # backward DTensor reduces fc2.bias's gradient over dp inside the graph (it
-    # went R -> P on tp in forward); at world size 2 the dp group has one rank
-    # and that reduction disappears.
-    "2d": ({"all_reduce": 1}, {"all_reduce": 1}),
+    # Data parallel, eager gradient role (the default): one all-reduce per
+    # replicated parameter (4 layers x weight and bias) inside the backward graph.
+    "dp": ({}, {"all_reduce": 8}),
+    # The deferred role: nothing in the graphs; the gradients leave them Partial.
+    "dp_deferred": ({}, {}),
+    # (dp, tp) mesh (world // 2, 2): the tp all-reduce of fc2 in forward; in
+    # backward one dp all-reduce per parameter (eager role); at world size 2 the
+    # dp group has one rank and those reductions disappear.
+    "2d": ({"all_reduce": 1}, {"all_reduce": 4}),
     # Attention and MLP each: one all-reduce forward, one cotangent reduction backward.
     "block": ({"all_reduce": 2}, {"all_reduce": 2}),
 }
@@ -39,11 +40,14 @@ def expected_bytes(case: str, world_size: int) -> dict[str, int]:
     f32 = 4
     if case == "mlp":  # the [8, 16] output of fc2
         return {"forward": 8 * 16 * f32, "backward": 0}
-    if case == "dp":
+    if case == "dp":  # every parameter's gradient: 4 x ([16, 16] + [16])
+        return {"forward": 0, "backward": 4 * (16 * 16 + 16) * f32}
+    if case == "dp_deferred":
         return {"forward": 0, "backward": 0}
-    if case == "2d":  # this dp rank's [8 / dp, 16] output; fc2.bias's [16] gradient over dp
+    if case == "2d":  # this dp rank's [8 / dp, 16] output; the tp-local gradients over dp
         dp = world_size // 2
-        return {"forward": 8 // dp * 16 * f32, "backward": 16 * f32 if dp > 1 else 0}
+        local_grads = (16 * 16 + 16 + 16 * 16 + 16) * f32  # fc1.w/b halves, fc2.w half, fc2.b
+        return {"forward": 8 // dp * 16 * f32, "backward": local_grads if dp > 1 else 0}
     # block: attention and MLP outputs [2, 6, 16], forward and backward
     return {"forward": 2 * 2 * 6 * 16 * f32, "backward": 2 * 2 * 6 * 16 * f32}
 
@@ -60,18 +64,14 @@ def test_parity(worlds, case, world_size):
     assert not bad, f"parameters after 3 Adam steps off: {bad}"
     expected = EXPECTED[case]
     if case == "2d" and world_size == 2:
-        expected = (expected[0], {})
+        expected = (expected[0], {})  # dp has one rank: nothing to sum
     assert (first["forward"], first["backward"]) == expected
     assert first["bytes"] == expected_bytes(case, world_size)
     assert first["implicit"] == [], "the DTensor program still redistributes implicitly"
     assert first["graphs"] == 1
-    # DTensor defers the gradient reduction of every parameter replicated over a
-    # mesh dimension the batch is split on (even a dp dimension of one rank); the
-    # report names them. fc2.bias on (dp, tp) is reduced inside the backward graph.
-    if case in ("dp", "2d"):
-        expected_partial = [n for n in first["grad_errs"] if not (case == "2d" and n == "fc2.bias")]
-    else:
-        expected_partial = []
+    # Under the deferred role every replicated parameter's gradient leaves the
+    # backward Partial, and the report names it.
+    expected_partial = list(first["grad_errs"]) if case == "dp_deferred" else []
     assert first["partial_gradients"] == expected_partial
     json.loads(first["strategy_json"])
     # Every rank compiled the same collectives.

@@ -4,14 +4,18 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .errors import (
     CheckError,
+    CollectiveError,
     HCAError,
     MeshError,
     OptionsError,
     PlacementError,
     PlanError,
     RankError,
+    RoleError,
     UnsupportedError,
 )
+from . import collectives
+from .gradients import reduce_gradients
 from .launch import LocalWorld, launch
 from .mesh import current_mesh, init_mesh
 from .plan import sharded
@@ -20,7 +24,7 @@ from .report import CompileReport, report
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckError", "CompileReport", "HCAError", "LocalWorld", "MeshError", "OptionsError",
-    "Partial", "PlacementError", "PlanError", "RankError", "Replicate", "Shard",
-    "UnsupportedError", "current_mesh", "init_mesh", "launch", "report", "sharded",
+    "CheckError", "CollectiveError", "CompileReport", "HCAError", "LocalWorld", "MeshError", "OptionsError",
+    "Partial", "PlacementError", "PlanError", "RankError", "Replicate", "RoleError", "Shard",
+    "UnsupportedError", "collectives", "current_mesh", "init_mesh", "launch", "reduce_gradients", "report", "sharded",
 ]

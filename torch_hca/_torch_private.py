@@ -36,6 +36,35 @@ def group_size(group_name: str) -> int:
     return _resolve_process_group(group_name).size()
 
 
+def group_rank(group_name: str) -> int:
+    """This process's rank inside the process group a `_c10d_functional` op names.
+
+    The ops carry the group by name only; its rank is this rank's coordinate
+    along that group (the index of the shard it owns).
+    """
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name).rank()
+
+
+def all_gather_object_untraced(obj: Any) -> list[Any]:
+    """`torch.distributed.all_gather_object` over the default group, callable while a compiler traces.
+
+    AOTAutograd runs the partitioner (and so the joint-graph passes) with a
+    FakeTensorMode active; the object collectives build real tensors and read
+    them back, which fails under it. torch's own partitioner steps out the
+    same way (`no_dispatch`, `unset_fake_temporarily`) for the same exchange.
+    """
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._mode_utils import no_dispatch
+
+    gathered: list[Any] = [None] * dist.get_world_size()
+    with no_dispatch(), unset_fake_temporarily():
+        dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 @dataclass(frozen=True)
 class RedistributionEvent:
     """DTensor moving one argument of an aten op to another placement on its own."""

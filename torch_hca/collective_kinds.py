@@ -1,53 +1,313 @@
 """The collective kinds the backend emits and reads, each defined once.
 
-For every kind: the placements it maps between, its transpose (DESIGN.md
-section 1), the `_c10d_functional` ops that implement it, and the bytes one
-rank puts on the wire in a ring implementation, as a function of the payload
-S (the full logical buffer) and the group size n.
+Every kind is one section below: its banner names the placements it maps
+between (src -> dst) and its transpose; under it sit its emitter and its
+registration, which records the transpose kind, how the parameters change
+under transposition, the `_c10d_functional` ops the emitter issues, and the
+bytes one rank sends in a ring implementation.
+
+An emitter works on one rank's local tensor::
+
+    RULES[kind].emit(x, group_name, **params) -> Tensor
+
+It issues the functional collective and its `wait_tensor`, so the result is
+ready to use. The rank and size of the group are looked up from its name;
+code traced by Dynamo passes them as ``rank=`` and ``size=`` (the lookup is
+opaque to Dynamo).
+
+Every transpose is itself a kind in the table, so the table is closed under
+transposition and each pair is checked as an adjoint identity
+``<A x, y> = <x, A^T y>`` over the whole mesh (tests/test_collective_table.py).
+The transposes are the physical ones. Which one backward needs depends on the
+cotangent roles (DESIGN.md section 1): all_reduce's physical transpose is
+all_reduce, but a cotangent that is already the same on every rank needs no
+communication (R -> P, the deferred role).
+
+Wire bytes: ``payload`` is the size in bytes of the larger of the op's local
+buffers (the full logical buffer for gathers and reductions, this rank's
+buffer for all_to_all and permutations), ``n`` the group size; the result is
+the bytes one rank sends, averaged over the ranks. A transpose moves as many
+bytes as its forward (the same links, reversed).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-from .errors import CheckError
+from ._torch_private import group_rank, group_size
+from .errors import CheckError, CollectiveError
 
 c10d = torch.ops._c10d_functional
+Tensor = torch.Tensor
 
 
 class Kind(enum.Enum):
     BROADCAST = "broadcast"
+    REDUCE = "reduce"
     ALL_REDUCE = "all_reduce"
+    SCALED_ALL_REDUCE = "scaled_all_reduce"
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_TO_ALL = "all_to_all"
+    PERMUTE = "permute"
+    LOCAL_CHUNK = "local_chunk"
+    ZERO_EMBED = "zero_embed"
+    GATHER = "gather"
+    INDEX_ADD = "index_add"
+
+
+def _same(params: dict) -> dict:
+    return dict(params)
 
 
 @dataclass(frozen=True)
 class KindRule:
     kind: Kind
     placements: str          # "src -> dst"
-    transpose: Kind | None   # None: R -> P, no communication (deferred role)
+    transpose: Kind          # the physical adjoint, itself a kind of this table
     wire_bytes: Callable[[int, int], float]  # (payload S, group size n) -> bytes per rank
+    emit: Callable[..., Tensor]  # (x, group_name, **params) -> Tensor, waited
+    ops: tuple = ()          # the _c10d_functional ops `emit` issues, each followed by one wait
+    transpose_params: Callable[[dict], dict] = _same  # params of A -> params of A^T
+
+    @property
+    def communicates(self) -> bool:
+        return bool(self.ops)
 
 
-# broadcast: R(root) -> R         transpose: sum-reduce to root (all_reduce then drop)
-# all_reduce: P -> R              transpose: none (R -> P, deferred) or all_reduce (eager role)
+RULES: dict[Kind, KindRule] = {}
+
+
+def _kind(kind: Kind, placements: str, transpose: Kind, wire, ops=(), transpose_params=_same):
+    """Register the decorated function as `kind`'s emitter, with its rules."""
+
+    def register(body: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        if kind in RULES:
+            raise CheckError(f"collective kind {kind.value} registered twice")
+
+        def emit(x: Tensor, group_name: str, *, rank: int | None = None, size: int | None = None, **params):
+            size = group_size(group_name) if size is None else size
+            rank = group_rank(group_name) if rank is None else rank
+            return body(x, group_name, rank, size, **params)
+
+        emit.__name__ = emit.__qualname__ = f"emit_{kind.value}"
+        emit.__doc__ = body.__doc__
+        RULES[kind] = KindRule(kind, placements, transpose, wire, emit, tuple(ops), transpose_params)
+        return body
+
+    return register
+
+
+def bytes_per_rank(kind: Kind, payload: int, group_size: int) -> float:
+    """Analytical bytes one rank sends for `kind` on `payload` bytes over `group_size` ranks (ring model)."""
+    if group_size < 1 or payload < 0:
+        raise CollectiveError(
+            f"bytes_per_rank({kind.value}): needs payload >= 0 and group_size >= 1, "
+            f"got payload={payload}, group_size={group_size}"
+        )
+    return float(RULES[kind].wire_bytes(payload, group_size))
+
+
+def _ring_once(s: int, n: int) -> float:
+    return s * (n - 1) / n
+
+
+def _ring_twice(s: int, n: int) -> float:
+    return 2 * s * (n - 1) / n
+
+
+def _whole(s: int, n: int) -> float:
+    return float(s) if n > 1 else 0.0
+
+
+def _free(s: int, n: int) -> float:
+    return 0.0
+
+
+# ---------------------------------------------------------------- helpers
+
+def _wait(t: Tensor) -> Tensor:
+    return c10d.wait_tensor(t)
+
+
+def _dim(x: Tensor, dim: int, kind: str, ndim: int | None = None) -> int:
+    """`dim` made non-negative, for a tensor of `ndim` dims (default: x's)."""
+    ndim = x.dim() if ndim is None else ndim
+    if not -ndim <= dim < ndim:
+        raise CollectiveError(f"{kind}: dim {dim} is out of range for a {ndim}-d tensor (got shape {tuple(x.shape)})")
+    return dim % ndim
+
+
+def _divides(x: Tensor, dim: int, n: int, kind: str) -> int:
+    if x.shape[dim] % n:
+        raise CollectiveError(
+            f"{kind}: dim {dim} of shape {tuple(x.shape)} has size {x.shape[dim]}, which the "
+            f"{n} ranks cannot split evenly; pad it to a multiple of {n}"
+        )
+    return x.shape[dim] // n
+
+
+def _rank_in(value: int, n: int, what: str, kind: str) -> int:
+    if not 0 <= value < n:
+        raise CollectiveError(f"{kind}: {what} {value} is not a rank of a group of {n}; use 0..{n - 1}")
+    return value
+
+
+def _front(x: Tensor, dim: int) -> Tensor:
+    return x.movedim(dim, 0).contiguous()
+
+
+def _resized(x: Tensor, dim: int, size: int) -> list[int]:
+    shape = list(x.shape)
+    shape[dim] = size
+    return shape
+
+
+# ------------------------------------------------------------- the kinds
+
+# broadcast: R(root) -> R         transpose: reduce (sum to root) R -> P(root)
+@_kind(Kind.BROADCAST, "R(root) -> R", Kind.REDUCE, _ring_once, ops=(c10d.broadcast.default,))
+def _broadcast(x, group_name, rank, n, *, root=0):
+    """Every rank receives `root`'s tensor (root is the rank within the group)."""
+    _rank_in(root, n, "root", "broadcast")
+    return _wait(c10d.broadcast(x.contiguous(), root, group_name))
+
+
+# reduce: P -> R(root)            transpose: broadcast R(root) -> R
+# `_c10d_functional` has no reduce: it is emitted as all_reduce, the other ranks'
+# results dropped (twice the model's bytes: the model is the ring reduce).
+@_kind(Kind.REDUCE, "P -> R(root)", Kind.BROADCAST, _ring_once, ops=(c10d.all_reduce.default,))
+def _reduce(x, group_name, rank, n, *, root=0):
+    """The sum over the group on `root`, zeros on the other ranks."""
+    _rank_in(root, n, "root", "reduce")
+    total = _wait(c10d.all_reduce(x.contiguous(), "sum", group_name))
+    return total if rank == root else torch.zeros_like(total)
+
+
+# all_reduce: P -> R              transpose: all_reduce (physical; R -> P moves nothing
+#                                 when the cotangent is already the same on every rank)
+@_kind(Kind.ALL_REDUCE, "P -> R", Kind.ALL_REDUCE, _ring_twice, ops=(c10d.all_reduce.default,))
+def _all_reduce(x, group_name, rank, n):
+    """The sum over the group, on every rank."""
+    return _wait(c10d.all_reduce(x.contiguous(), "sum", group_name))
+
+
+# scaled all_reduce: P -> R, times `scale` (mean: 1/n)   transpose: the same scaled map
+@_kind(Kind.SCALED_ALL_REDUCE, "P -> R (scaled)", Kind.SCALED_ALL_REDUCE, _ring_twice, ops=(c10d.all_reduce.default,))
+def _scaled_all_reduce(x, group_name, rank, n, *, scale=None):
+    """`scale` times the sum over the group (the mean when `scale` is None)."""
+    scale = 1.0 / n if scale is None else scale
+    return _wait(c10d.all_reduce(x.contiguous(), "sum", group_name)) * scale
+
+
 # all_gather: S(d) -> R           transpose: reduce_scatter P -> S(d)
-# reduce_scatter: P -> S(d)       transpose: all_gather S(d) -> R
-# all_to_all: S(a) -> S(b)        transpose: all_to_all S(b) -> S(a)
-RULES: dict[Kind, KindRule] = {
-    Kind.BROADCAST: KindRule(Kind.BROADCAST, "R(root) -> R", Kind.ALL_REDUCE, lambda s, n: s * (n - 1) / n),
-    Kind.ALL_REDUCE: KindRule(Kind.ALL_REDUCE, "P -> R", None, lambda s, n: 2 * s * (n - 1) / n),
-    Kind.ALL_GATHER: KindRule(Kind.ALL_GATHER, "S(d) -> R", Kind.REDUCE_SCATTER, lambda s, n: s * (n - 1) / n),
-    Kind.REDUCE_SCATTER: KindRule(Kind.REDUCE_SCATTER, "P -> S(d)", Kind.ALL_GATHER, lambda s, n: s * (n - 1) / n),
-    Kind.ALL_TO_ALL: KindRule(Kind.ALL_TO_ALL, "S(a) -> S(b)", Kind.ALL_TO_ALL, lambda s, n: s * (n - 1) / n),
-}
+@_kind(Kind.ALL_GATHER, "S(d) -> R", Kind.REDUCE_SCATTER, _ring_once, ops=(c10d.all_gather_into_tensor.default,))
+def _all_gather(x, group_name, rank, n, *, dim=0):
+    """The shards of the group concatenated along `dim`, on every rank."""
+    dim = _dim(x, dim, "all_gather")
+    return _wait(c10d.all_gather_into_tensor(_front(x, dim), n, group_name)).movedim(0, dim)
 
+
+# reduce_scatter: P -> S(d)       transpose: all_gather S(d) -> R
+@_kind(Kind.REDUCE_SCATTER, "P -> S(d)", Kind.ALL_GATHER, _ring_once, ops=(c10d.reduce_scatter_tensor.default,))
+def _reduce_scatter(x, group_name, rank, n, *, dim=0):
+    """This rank's shard along `dim` of the sum over the group."""
+    dim = _dim(x, dim, "reduce_scatter")
+    _divides(x, dim, n, "reduce_scatter")
+    return _wait(c10d.reduce_scatter_tensor(_front(x, dim), "sum", n, group_name)).movedim(0, dim)
+
+
+def _swap_dims(params: dict) -> dict:
+    return {"src_dim": params["dst_dim"], "dst_dim": params["src_dim"]}
+
+
+# all_to_all: S(a) -> S(b)        transpose: all_to_all S(b) -> S(a)
+@_kind(Kind.ALL_TO_ALL, "S(a) -> S(b)", Kind.ALL_TO_ALL, _ring_once,
+       ops=(c10d.all_to_all_single.default,), transpose_params=_swap_dims)
+def _all_to_all(x, group_name, rank, n, *, src_dim, dst_dim):
+    """Trade a shard along `src_dim` for a shard along `dst_dim`."""
+    a, b = _dim(x, src_dim, "all_to_all"), _dim(x, dst_dim, "all_to_all")
+    if a == b:
+        raise CollectiveError(f"all_to_all: src_dim and dst_dim are both {a}; they must differ")
+    _divides(x, b, n, "all_to_all")
+    blocks = torch.stack(x.chunk(n, b))  # row j goes to rank j
+    got = _wait(c10d.all_to_all_single(blocks, [1] * n, [1] * n, group_name))
+    return torch.cat(got.unbind(0), a)  # row j came from rank j, whose shard is j-th along a
+
+
+def _inverse_route(params: dict) -> dict:
+    if params.get("perm") is not None:
+        perm = params["perm"]
+        return {"perm": tuple(sorted(range(len(perm)), key=perm.__getitem__))}
+    return {"shift": -params.get("shift", 0)}
+
+
+def _destination(rank: int, n: int, shift: int, perm) -> tuple[int, int]:
+    """(where this rank's buffer goes, whose buffer this rank receives)."""
+    if perm is None:
+        return (rank + shift) % n, (rank - shift) % n
+    if sorted(perm) != list(range(n)):
+        raise CollectiveError(f"permute: perm {tuple(perm)} is not a permutation of the {n} ranks 0..{n - 1}")
+    return perm[rank], list(perm).index(rank)
+
+
+# permute: V -> V, rank r's buffer to rank perm[r] (ring shift k: r + k)
+#                                 transpose: the inverse permutation (shift -k)
+# Emitted as all_to_all_single whose split sizes send the whole buffer to one peer.
+@_kind(Kind.PERMUTE, "V -> V", Kind.PERMUTE, _whole,
+       ops=(c10d.all_to_all_single.default,), transpose_params=_inverse_route)
+def _permute(x, group_name, rank, n, *, shift=0, perm=None):
+    """Send this rank's buffer to rank ``perm[rank]`` (or ``rank + shift`` mod n)."""
+    dest, source = _destination(rank, n, shift, perm)
+    row = x.reshape(1, -1).contiguous()
+    send = [int(j == dest) for j in range(n)]
+    recv = [int(j == source) for j in range(n)]
+    return _wait(c10d.all_to_all_single(row, recv, send, group_name)).reshape(x.shape)
+
+
+# local chunk: R -> S(d)          transpose: zero-embed S(d) -> P        (no communication)
+@_kind(Kind.LOCAL_CHUNK, "R -> S(d)", Kind.ZERO_EMBED, _free)
+def _local_chunk(x, group_name, rank, n, *, dim=0):
+    """This rank's shard of `x` along `dim` (a copy)."""
+    dim = _dim(x, dim, "local_chunk")
+    m = _divides(x, dim, n, "local_chunk")
+    return x.narrow(dim, rank * m, m).clone()
+
+
+# zero-embed: S(d) -> P           transpose: local chunk R -> S(d)       (no communication)
+@_kind(Kind.ZERO_EMBED, "S(d) -> P", Kind.LOCAL_CHUNK, _free)
+def _zero_embed(x, group_name, rank, n, *, dim=0):
+    """`x` in its shard's place along `dim`, zeros around it: summed over ranks, the full tensor."""
+    dim = _dim(x, dim, "zero_embed")
+    m = x.shape[dim]
+    return x.new_zeros(_resized(x, dim, m * n)).slice_scatter(x, dim, rank * m, (rank + 1) * m)
+
+
+# gather: rows `index` of x (index_select, embedding; repeats allowed)
+#                                 transpose: index_add into zeros         (no communication)
+@_kind(Kind.GATHER, "any -> same (local)", Kind.INDEX_ADD, _free)
+def _gather(x, group_name, rank, n, *, index, dim=0, length=None):
+    """``x.index_select(dim, index)``; an n-d index replaces `dim` by its shape (embedding)."""
+    dim = _dim(x, dim, "gather")
+    rows = x.index_select(dim, index.reshape(-1))
+    return rows.reshape(x.shape[:dim] + index.shape + x.shape[dim + 1:])
+
+
+# index_add: scatter-add rows into zeros of length `length`   transpose: gather  (no communication)
+@_kind(Kind.INDEX_ADD, "any -> same (local)", Kind.GATHER, _free)
+def _index_add(x, group_name, rank, n, *, index, length, dim=0):
+    """Zeros of length `length` along `dim`, with row ``i`` of `x` added at ``index[i]``."""
+    # `dim` counts in the result (the tensor gathered from), where the index's dims are one.
+    dim = _dim(x, dim, "index_add", ndim=x.dim() - index.dim() + 1)
+    x = x.reshape(x.shape[:dim] + (index.numel(),) + x.shape[dim + index.dim():])
+    return x.new_zeros(_resized(x, dim, length)).index_add(dim, index.reshape(-1), x)
+
+
+# ------------------------------------------------- ops read back from graphs
 
 @dataclass(frozen=True)
 class OpInfo:
@@ -58,7 +318,9 @@ class OpInfo:
 
 
 # Keyed by OpOverload, never by name. Coalesced forms count as one collective
-# per tensor they carry (the wire sees the same bytes).
+# per tensor they carry (the wire sees the same bytes). An op serves several
+# kinds (all_reduce also emits reduce and scaled all_reduce; all_to_all_single
+# also emits permute); a graph reports it under its main kind.
 OPS: dict[torch._ops.OpOverload, OpInfo] = {}
 
 
@@ -82,3 +344,15 @@ WAIT = c10d.wait_tensor.default
 
 def is_collective(target) -> bool:
     return target in OPS
+
+
+def emit(kind: Kind, x: Tensor, group_name: str, **params: Any) -> Tensor:
+    """Shorthand for ``RULES[kind].emit(x, group_name, **params)``."""
+    return RULES[kind].emit(x, group_name, **params)
+
+
+def emit_transpose(kind: Kind, y: Tensor, group_name: str, **params: Any) -> Tensor:
+    """Apply the transpose of ``kind`` (with ``params``) to `y`."""
+    rule = RULES[kind]
+    coords = {k: params.pop(k) for k in ("rank", "size") if k in params}
+    return RULES[rule.transpose].emit(y, group_name, **coords, **rule.transpose_params(params))

@@ -68,3 +68,28 @@ def _like(t: torch.Tensor, ref) -> torch.Tensor:
         return t
     mesh = ref.device_mesh
     return DTensor.from_local(t.to(ref.device), mesh, (Replicate(),) * mesh.ndim, run_check=False)
+
+
+class _EagerGradient(torch.autograd.Function):
+    """Identity forward; backward sums a partial gradient back to the parameter's layout.
+
+    The cotangent of a replicated parameter used by a split batch is partial
+    (DESIGN.md section 1: E_R* = Q_P). Under the eager role that sum happens
+    here, inside the backward graph, as one collective per parameter.
+    """
+
+    @staticmethod
+    def forward(ctx, p: DTensor) -> DTensor:
+        ctx.placements = tuple(p.placements)
+        return p  # no copy, no view: only the backward matters
+
+    @staticmethod
+    def backward(ctx, grad: DTensor) -> DTensor:
+        if isinstance(grad, DTensor) and tuple(grad.placements) != ctx.placements:
+            return grad.redistribute(grad.device_mesh, ctx.placements)
+        return grad
+
+
+def reduce_gradient_eagerly(p: DTensor) -> DTensor:
+    """A parameter read whose gradient is reduced inside backward (the eager role)."""
+    return _EagerGradient.apply(p)

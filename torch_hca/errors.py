@@ -45,3 +45,13 @@ class RankError(HCAError):
         super().__init__(
             f"rank {rank} failed with {kind}; its traceback:\n{traceback_text}"
         )
+
+
+class CollectiveError(HCAError):
+    """A collective was asked for what its group cannot do: a root outside the
+    group, a permutation that is not one, a dimension the ranks cannot split evenly."""
+
+
+class RoleError(CollectiveError):
+    """A local-view collective (`hca.collectives`) got a source or destination
+    role that does not fit the op: the gradient it implies would be wrong."""

@@ -34,14 +34,26 @@ from .rewrites import DTensorRewrites
 
 Layout = tuple[Placement, ...]
 
-# Every sharded parameter, mapped to (its module, its qualified name): lets the
-# backend and the report name the parameters a compiled graph reads.
-_PARAM_NAMES: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+# Cotangent roles for a parameter's gradient (DESIGN.md section 1): "eager"
+# reduces a partial gradient inside the backward graph, "deferred" keeps it
+# partial until `hca.reduce_gradients` (e.g. once per k microbatches).
+GRAD_ROLES = ("eager", "deferred")
+
+# Every sharded parameter, mapped to (its qualified name, its gradient role): lets
+# the backend and the report name the parameters a compiled graph reads.
+_PARAM_INFO: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
 
 def parameter_name(t: torch.Tensor) -> str | None:
     """The qualified name of a parameter sharded by `hca.sharded`, else None."""
-    return _PARAM_NAMES.get(t)
+    info = _PARAM_INFO.get(t)
+    return info[0] if info else None
+
+
+def parameter_role(t: torch.Tensor) -> str | None:
+    """The gradient role ("eager" or "deferred") of a sharded parameter, else None."""
+    info = _PARAM_INFO.get(t)
+    return info[1] if info else None
 
 
 def _layout(value: Any, mesh: DeviceMesh, what: str) -> Layout:
@@ -107,6 +119,7 @@ class ShardingSpec:
     inputs: Layout | tuple[Layout | None, ...]
     outputs: Layout
     per_argument: bool
+    grad_roles: Mapping[str, str]
 
     def input_layout(self, index: int | None) -> Layout | None:
         if not self.per_argument:
@@ -208,7 +221,7 @@ def _distribute(module: nn.Module, spec: ShardingSpec) -> None:
         # src_data_rank=0 (the default): every rank starts from rank 0's values.
         new = nn.Parameter(distribute_tensor(old.detach(), spec.mesh, layout), requires_grad=old.requires_grad)
         setattr(owner, leaf, new)
-        _PARAM_NAMES[new] = qualified
+        _PARAM_INFO[new] = (qualified, spec.grad_roles[qualified])
     replicated = (Replicate(),) * spec.mesh.ndim
     for qualified, buf in list(module.named_buffers()):
         owner_name, _, leaf = qualified.rpartition(".")
@@ -232,7 +245,30 @@ def _wrap_forward(forward):
     return sharded_forward
 
 
-def _shard_instance(module: nn.Module, plan, mesh, inputs, outputs) -> nn.Module:
+def _resolve_roles(module: nn.Module, grad_reduction: Any) -> dict[str, str]:
+    """One gradient role per parameter, from a role or a {pattern: role} mapping."""
+    names = [n for n, _ in module.named_parameters()]
+    rules = {"*": grad_reduction} if isinstance(grad_reduction, str) else grad_reduction
+    if not isinstance(rules, Mapping):
+        raise PlanError(
+            f"hca.sharded: grad_reduction={grad_reduction!r}; give 'eager', 'deferred', or a "
+            "mapping of parameter patterns to one of them"
+        )
+    roles = dict.fromkeys(names, "eager")
+    for pattern, role in rules.items():
+        if role not in GRAD_ROLES:
+            raise PlanError(f"hca.sharded: grad_reduction role {role!r} for {pattern!r}; use one of {GRAD_ROLES}")
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not hits and pattern != "*":
+            raise PlanError(
+                f"hca.sharded: grad_reduction pattern {pattern!r} matches no parameter; "
+                f"the parameters are {sorted(names)}"
+            )
+        roles.update(dict.fromkeys(hits, role))
+    return roles
+
+
+def _shard_instance(module: nn.Module, plan, mesh, inputs, outputs, grad_reduction) -> nn.Module:
     if getattr(module, "_hca_spec", None) is not None:
         raise PlanError(
             f"hca.sharded: this {type(module).__name__} is already sharded; apply the "
@@ -246,6 +282,7 @@ def _shard_instance(module: nn.Module, plan, mesh, inputs, outputs) -> nn.Module
         inputs=in_layouts,
         outputs=_io_layout(outputs, mesh, "outputs"),
         per_argument=per_argument,
+        grad_roles=_resolve_roles(module, grad_reduction),
     )
     _distribute(module, spec)
     module._hca_spec = spec
@@ -258,6 +295,7 @@ def sharded(
     mesh: DeviceMesh | None = None,
     inputs: Any = Replicate(),
     outputs: Any = Replicate(),
+    grad_reduction: str | Mapping[str, str] = "eager",
 ):
     """Store a module's parameters over a device mesh as `plan` says.
 
@@ -266,6 +304,11 @@ def sharded(
     every tensor argument of ``forward`` (a list gives one per positional
     argument, ``None`` leaving that one alone). ``outputs``: the layout of
     every tensor result. A plain tensor argument is this rank's local piece.
+    ``grad_reduction``: when a gradient that comes out partial (a replicated
+    parameter under a split batch) is summed over ranks: ``"eager"`` inside
+    the backward graph, ``"deferred"`` only at `hca.reduce_gradients` (so k
+    microbatches of accumulation communicate once); a ``{pattern: role}``
+    mapping sets it per parameter (unmatched ones are eager).
 
     Use on a class (parameters are distributed at the end of ``__init__``) or
     on an instance (distributed at once, returns the same module)::
@@ -278,7 +321,7 @@ def sharded(
 
     def apply(target):
         if isinstance(target, nn.Module):
-            _shard_instance(target, plan, mesh, inputs, outputs)
+            _shard_instance(target, plan, mesh, inputs, outputs, grad_reduction)
             cls = type(target)
             if not getattr(cls.forward, "_hca_wrapped", False):
                 target.__class__ = type(cls.__name__, (cls,), {
@@ -294,7 +337,7 @@ def sharded(
             def sharded_init(self, *args, **kwargs):
                 init(self, *args, **kwargs)
                 if type(self) is target:
-                    _shard_instance(self, plan, mesh, inputs, outputs)
+                    _shard_instance(self, plan, mesh, inputs, outputs, grad_reduction)
 
             target.__init__ = sharded_init
             target.forward = _wrap_forward(target.forward)
