@@ -21,6 +21,7 @@ from torch_hca.options import Options
 from torch_hca.plan import parameter_name
 from torch_hca.errors import HCAError, UnsupportedError
 from torch_hca.report import CollectiveRecord, CompileReport, GraphReport, layout_str, new_graph_report
+from torch_hca.passes.collective_rewrites import REWRITE, CollectiveRewritePass, agree_across_ranks, no_rank_rewrites
 from torch_hca.passes.infra import PassContext, dump, run_pass
 from torch_hca.passes.layout import LayoutPass
 from torch_hca.passes.roles import CotangentRolePass
@@ -43,6 +44,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
         return gm.forward
 
     def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
+        # Rewrites first: the transpose pass must label the collectives that remain.
+        agree = agree_across_ranks if options.rank_rewrites else no_rank_rewrites
+        joint = run_pass(CollectiveRewritePass(agree), joint, ctx)
         report.joint = run_pass(TransposePass(), joint, ctx)
         return default_partition(report.joint, joint_inputs, **kwargs)
 
@@ -105,6 +109,8 @@ def _describe_inputs(gm: fx.GraphModule, report: GraphReport) -> None:
     """Name the parameters the graph reads and note the mesh."""
     for node in gm.graph.find_nodes(op="placeholder"):
         real = graph_arg_example(node)
+        if isinstance(real, torch.nn.Parameter):  # lets hca.report find the module's graphs
+            report.param_ids.add(id(real))
         if not isinstance(real, DTensor):
             continue
         if report.mesh is None:
@@ -112,7 +118,6 @@ def _describe_inputs(gm: fx.GraphModule, report: GraphReport) -> None:
             report.mesh = {"shape": list(mesh.shape), "names": list(mesh.mesh_dim_names or ()), "device_type": mesh.device_type}
         name = parameter_name(real)
         if name is not None:
-            report.param_ids.add(id(real))
             report.parameters[name] = {
                 "shape": list(real.shape), "dtype": str(real.dtype).replace("torch.", ""),
                 "placements": layout_str(real.placements), "graph_input": node.name,
@@ -134,5 +139,6 @@ def _record_collectives(report: GraphReport, gm: fx.GraphModule, direction: str)
             kind=info.kind.value, group=group, group_size=n, bytes=payload,
             wire_bytes=RULES[info.kind].wire_bytes(payload, n), direction=direction,
             node=node.name, dtype=str(vals[0].dtype), shape=tuple(vals[0].shape),
-            partner=node.meta.get(PARTNER), rule=node.meta.get(RULE, "forward collective" if direction == "forward" else ""),
+            partner=node.meta.get(PARTNER),
+            rule="; ".join(filter(None, [node.meta.get(RULE, ""), node.meta.get(REWRITE) and f"rewritten by {node.meta[REWRITE]}"])),
         ))

@@ -237,3 +237,82 @@ def accumulate(role: str, microbatches: int = 4) -> dict[str, Any]:
         "placements": sorted({str(p.grad.placements) for p in model.parameters()}),
         "parameters": sum(1 for _ in model.parameters()),
     }
+
+
+class PerRankRows(nn.Module):
+    """Megatron-style code written per rank: a partial product, summed, then this rank's rows."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(dim, dim))
+
+    def forward(self, x):
+        partial = x @ self.w  # each rank's summand of the product
+        # I, not R: each rank goes on to use the sum differently (its own rows).
+        full = hca.collectives.all_reduce(partial, src="P", dst="I")
+        return full.chunk(dist.get_world_size())[dist.get_rank()]
+
+
+def rewritten_per_rank_code() -> dict[str, Any]:
+    """all_reduce then this rank's chunk, compiled: the rewrite pass makes it one reduce_scatter."""
+    torch._dynamo.reset()
+    n, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    ref = PerRankRows()
+    model = copy.deepcopy(ref)
+    xs = [torch.randn(4 * n, 16) for _ in range(n)]  # rank r's input is xs[r]
+    compiled = torch.compile(model, backend="hca", options={"strict": True, "rank_rewrites": True})
+    out = compiled(xs[rank])
+    loss_of(out).backward()
+    full = sum(x @ ref.w for x in xs)
+    loss_of(full).backward()
+    grad = model.w.grad.clone()
+    dist.all_reduce(grad)  # w is replicated: the ranks' gradients are its summands
+    rep = hca.report(compiled)
+    return {
+        "out_err": rel_err(out, full.chunk(n)[rank]),
+        "grad_err": rel_err(grad, ref.w.grad),
+        "forward": rep.collective_counts("forward"),
+        "backward": rep.collective_counts("backward"),
+        "rules": [c.rule for c in rep.collectives if c.direction == "forward"],
+    }
+
+
+class TwoPartials(nn.Module):
+    """Per-rank code that all-reduces two partial products and adds them."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(dim, dim))
+        self.b = nn.Parameter(torch.randn(dim, dim))
+
+    def forward(self, x):
+        ya = hca.collectives.all_reduce(x @ self.a, src="P", dst="R")
+        yb = hca.collectives.all_reduce(x @ self.b, src="P", dst="R")
+        return ya + yb
+
+
+def rewritten_sum_of_all_reduces() -> dict[str, Any]:
+    """all_reduce(a) + all_reduce(b) compiled with default options: one all_reduce of the sum."""
+    torch._dynamo.reset()
+    n, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    ref = TwoPartials()
+    model = copy.deepcopy(ref)
+    xs = [torch.randn(8, 16) for _ in range(n)]
+    compiled = torch.compile(model, backend="hca", options={"strict": True})
+    out = compiled(xs[rank])
+    loss_of(out).backward()
+    full = sum(x @ ref.a for x in xs) + sum(x @ ref.b for x in xs)
+    # dst R: every rank holds the whole loss and its whole gradient; the ranks'
+    # parameter gradients are summands of the single-device one.
+    loss_of(full).backward()
+    grads = [model.a.grad.clone(), model.b.grad.clone()]
+    for g in grads:
+        dist.all_reduce(g)
+    rep = hca.report(compiled)
+    return {
+        "out_err": rel_err(out, full),
+        "grad_err": max(rel_err(grads[0], ref.a.grad), rel_err(grads[1], ref.b.grad)),
+        "forward": rep.collective_counts("forward"),
+    }

@@ -277,7 +277,7 @@ def test_submesh_smaller_than_world(fake_pg):
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"bogus": 1}, r"unknown option\(s\) \['bogus'\]; the options are \['debug_dir', 'inner', 'strict'\]"),
+        ({"bogus": 1}, r"unknown option\(s\) \['bogus'\]; the options are \['debug_dir', 'inner', 'rank_rewrites', 'strict'\]"),
         ({"inner": "nope"}, r"options\['inner'\]='nope'; use one of \('eager', 'inductor', 'dtensor'\)"),
         ({"strict": "yes"}, r"options\['strict'\] must be a bool, got 'yes'"),
         ({"debug_dir": 5}, r"options\['debug_dir'\] must be a directory path, got 5"),
@@ -292,7 +292,7 @@ def test_bad_options_parse(options, message):
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"bogus": 1}, r"unknown option\(s\) \['bogus'\]; the options are \['debug_dir', 'inner', 'strict'\]"),
+        ({"bogus": 1}, r"unknown option\(s\) \['bogus'\]; the options are \['debug_dir', 'inner', 'rank_rewrites', 'strict'\]"),
         ({"inner": "nope"}, r"options\['inner'\]='nope'; use one of \('eager', 'inductor', 'dtensor'\)"),
     ],
 )

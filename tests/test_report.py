@@ -33,7 +33,7 @@ def test_report_artifacts(fake_pg):
     (c,) = rep.collectives
     assert (c.kind, c.direction, c.group_size, c.bytes, c.shape) == ("all_reduce", "forward", 4, 8 * 16 * 4, (8, 16))
     assert c.wire_bytes == 2 * 3 / 4 * c.bytes  # ring all-reduce: 2(n-1)/n of the payload
-    assert [p.name for p in g.passes] == ["layout", "roles", "transpose", "schedule_forward", "schedule_backward"]
+    assert [p.name for p in g.passes] == ["layout", "roles", "collective_rewrites", "transpose", "schedule_forward", "schedule_backward"]
     assert g.schedules["forward"]["per_group"] and g.schedules["backward"]["per_group"] == {}
 
 

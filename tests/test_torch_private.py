@@ -172,17 +172,12 @@ def test_group_rank():
         dist.destroy_process_group()
 
 
-def test_all_gather_object_untraced():
-    """The object exchange works while a fake mode is active (as in AOTAutograd's partitioner)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+def test_default_store_is_the_rendezvous_store():
+    """The store behind the default group: what one rank sets, the group can read."""
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        with FakeTensorMode():
-            # What the wrapper is for: the public call reads a fake tensor back and fails.
-            with pytest.raises(RuntimeError, match="_local_scalar_dense"):
-                dist.all_gather_object([None], ["a"])
-            assert tp.all_gather_object_untraced(["a", "b"]) == [["a", "b"]]
-        assert tp.all_gather_object_untraced({"k": 1}) == [{"k": 1}]  # and outside one
+        tp.default_store().set("hca/test", b"42")
+        assert tp.default_store().get("hca/test") == b"42"
     finally:
         dist.destroy_process_group()

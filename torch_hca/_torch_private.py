@@ -47,22 +47,15 @@ def group_rank(group_name: str) -> int:
     return _resolve_process_group(group_name).rank()
 
 
-def all_gather_object_untraced(obj: Any) -> list[Any]:
-    """`torch.distributed.all_gather_object` over the default group, callable while a compiler traces.
+def default_store():
+    """The rendezvous store of the default process group (`TCPStore` or a prefix of it).
 
-    AOTAutograd runs the partitioner (and so the joint-graph passes) with a
-    FakeTensorMode active; the object collectives build real tensors and read
-    them back, which fails under it. torch's own partitioner steps out the
-    same way (`no_dispatch`, `unset_fake_temporarily`) for the same exchange.
+    Compile-time agreement between ranks goes through it rather than through a
+    collective, so it never interleaves with the collectives the ranks' programs issue.
     """
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.utils._mode_utils import no_dispatch
+    from torch.distributed.distributed_c10d import _get_default_store
 
-    gathered: list[Any] = [None] * dist.get_world_size()
-    with no_dispatch(), unset_fake_temporarily():
-        dist.all_gather_object(gathered, obj)
-    return gathered
+    return _get_default_store()
 
 
 @dataclass(frozen=True)

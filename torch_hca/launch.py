@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import signal
 import socket
 import traceback
 from multiprocessing.connection import wait
@@ -39,9 +40,13 @@ def _worker_main(rank: int, world_size: int, port: int, conn, timeout_s: float) 
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port),
         GLOO_SOCKET_IFNAME=_loopback_interface(),
     )
+    import faulthandler
+    import signal
+
     import torch
     import torch.distributed as dist
 
+    faulthandler.register(signal.SIGUSR1)  # the parent asks for stacks before killing a stuck rank
     torch.set_num_threads(1)  # ranks share the machine's cores
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(LOOPBACK, port, world_size, is_master=False, timeout=timeout)
@@ -135,6 +140,7 @@ class LocalWorld:
             if failures:
                 deadline = _GRACE_S
         if failures or waiting:
+            self._dump_stacks(waiting)
             self.close()
             if failures:
                 # A dead process is the cause; the errors it provokes in its peers are echoes.
@@ -145,8 +151,17 @@ class LocalWorld:
                     text += f"\n(ranks {others} failed too, after it: {[failures[r][0] for r in others]})"
                 raise RankError(rank, kind, text)
             rank = min(waiting)
-            raise RankError(rank, "a timeout", f"rank {rank} did not finish within {timeout_s:.0f} s")
+            raise RankError(rank, "a timeout", (
+                f"rank(s) {sorted(waiting)} did not finish within {timeout_s:.0f} s "
+                f"(finished: {sorted(results)}); their Python stacks were written to stderr"
+            ))
         return [results[r] for r in range(self.world_size)]
+
+    def _dump_stacks(self, ranks) -> None:
+        for rank in ranks:
+            if self._procs[rank].is_alive():
+                os.kill(self._procs[rank].pid, signal.SIGUSR1)
+        wait([self._procs[r].sentinel for r in ranks], timeout=1.0)  # let them print
 
     def _receive(self, rank: int, conn) -> tuple:
         try:
