@@ -110,7 +110,7 @@ def _describe_inputs(gm: fx.GraphModule, report: GraphReport) -> None:
     for node in gm.graph.find_nodes(op="placeholder"):
         real = graph_arg_example(node)
         if isinstance(real, torch.nn.Parameter):  # lets hca.report find the module's graphs
-            report.param_ids.add(id(real))
+            report.add_parameter(real)
         if not isinstance(real, DTensor):
             continue
         if report.mesh is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import weakref
 
 import pytest
 import torch
@@ -69,3 +70,29 @@ def test_report_without_argument_is_the_last_graph(fake_pg):
 def test_str_shows_program_and_table(fake_pg):
     text = str(hca.report(compile_mlp()))
     assert "DTensor program" in text and "all_reduce" in text and "torch_hca_dtensor_ops_redistribute" in text
+
+
+def test_report_never_matches_a_dead_models_graph(fake_pg):
+    """A new model may reuse a dead model's parameter ids; its report must not inherit that graph."""
+    import gc
+
+    for _ in range(3):
+        compile_mlp()
+        gc.collect()
+    torch.manual_seed(0)
+    model = hca.sharded(zoo.TP_BLOCK)(zoo.TransformerBlock())
+    compiled = torch.compile(model, backend="hca")
+    compiled(torch.randn(2, 6, 16)).sum().backward()
+    rep = hca.report(compiled)
+    assert len(rep.graphs) == 1 and "norm1" in rep.dtensor_code
+
+
+def test_graph_report_checks_identity_not_just_id():
+    from torch_hca.report import GraphReport
+
+    g = GraphReport(index=0, options=None)
+    old, new = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
+    g.param_refs[id(new)] = weakref.ref(old)  # what a reused id looks like
+    assert not g.reads_any([new])
+    g.add_parameter(new)
+    assert g.reads_any([new])

@@ -96,7 +96,15 @@ class GraphReport:
     values: dict[str, dict[str, Any]] = field(default_factory=dict)
     passes: list[PassRecord] = field(default_factory=list)
     schedules: dict[str, dict[str, Any]] = field(default_factory=dict)
-    param_ids: set[int] = field(default_factory=set)
+    # The parameters the graph reads, by id, held weakly: ids of dead parameters
+    # are reused by new ones, so a match must also be the same object.
+    param_refs: dict[int, weakref.ref] = field(default_factory=dict)
+
+    def add_parameter(self, p: torch.Tensor) -> None:
+        self.param_refs[id(p)] = weakref.ref(p)
+
+    def reads_any(self, params: list[torch.Tensor]) -> bool:
+        return any((r := self.param_refs.get(id(p))) is not None and r() is p for p in params)
 
     @property
     def dtensor_code(self) -> str:
@@ -238,8 +246,8 @@ def report(compiled: Any = None) -> CompileReport:
         raise HCAError(
             f"hca.report: expected the module torch.compile returned, got {type(compiled).__name__}"
         )
-    ids = {id(p) for p in module.parameters()}
-    graphs = [g for g in _GRAPHS if g.param_ids & ids]
+    params = list(module.parameters())
+    graphs = [g for g in _GRAPHS if g.reads_any(params)]
     if not graphs:
         raise HCAError(
             f"hca.report: no graph of this {type(module).__name__} was compiled with backend='hca'; "
