@@ -47,4 +47,8 @@ def main():
 
 
 if __name__ == "__main__":
-    main() if "RANK" in os.environ else hca.launch(main, 2)
+    if "RANK" in os.environ:  # under torchrun
+        main()
+        torch.distributed.destroy_process_group()  # a clean exit: gloo's threads stop first
+    else:
+        hca.launch(main, 2)

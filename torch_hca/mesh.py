@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 from collections.abc import Sequence
@@ -49,6 +50,14 @@ def _init_process_group(device_type: str) -> None:
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend_for(device_type))
+    # A process that exits with the group alive can abort in gloo's threads
+    # ("terminate called without an active exception"): close what we opened.
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def init_mesh(
