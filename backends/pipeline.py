@@ -20,6 +20,7 @@ from torch_hca.collective_kinds import OPS, RULES
 from torch_hca.options import Options
 from torch_hca.plan import parameter_name
 from torch_hca.errors import HCAError, UnsupportedError
+from torch_hca.spmd_check import check_same_collectives, collective_sequence
 from torch_hca.report import CollectiveRecord, CompileReport, GraphReport, layout_str, new_graph_report
 from torch_hca.passes.collective_rewrites import REWRITE, CollectiveRewritePass, agree_across_ranks, no_rank_rewrites
 from torch_hca.passes.infra import PassContext, dump, run_pass
@@ -53,12 +54,13 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
     def forward_compiler(fw: fx.GraphModule, inputs):
         report.forward = run_pass(SchedulePass("forward"), fw, ctx)
         _record_collectives(report, fw, "forward")
-        return emit(report.forward, inputs, options.inner)
+        return _checked_first_run(emit(report.forward, inputs, options.inner), fw, f"graph {report.index} forward")
 
     def backward_compiler(bw: fx.GraphModule, inputs):
         report.backward = run_pass(SchedulePass("backward"), bw, ctx)
         _record_collectives(report, bw, "backward")
-        return emit(report.backward, inputs, options.inner, is_backward=True)
+        compiled = emit(report.backward, inputs, options.inner, is_backward=True)
+        return _checked_first_run(compiled, bw, f"graph {report.index} backward")
 
     def inference_compiler(fw: fx.GraphModule, inputs):
         report.inference = True
@@ -85,6 +87,21 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
         raise
     _dump_tables(ctx)
     return compiled
+
+
+def _checked_first_run(compiled: Callable, gm: fx.GraphModule, what: str) -> Callable:
+    """`compiled`, checking on its first call that every rank issues the same collectives."""
+    sequence = collective_sequence(gm)
+    pending = [True]
+
+    def run(args):
+        if pending:
+            check_same_collectives(sequence, what)
+            pending.clear()
+        return compiled(args)
+
+    run._boxed_call = True  # AOTAutograd's calling convention: one list of arguments
+    return run
 
 
 def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:

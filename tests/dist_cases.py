@@ -316,3 +316,14 @@ def rewritten_sum_of_all_reduces() -> dict[str, Any]:
         "grad_err": max(rel_err(grads[0], ref.a.grad), rel_err(grads[1], ref.b.grad)),
         "forward": rep.collective_counts("forward"),
     }
+
+
+def divergent_batch_sizes() -> dict[str, Any]:
+    """Ranks pass different local batch sizes to per-rank code with an all_reduce: caught before it runs."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TwoPartials()
+    compiled = torch.compile(model, backend="hca")
+    x = torch.randn(8 if dist.get_rank() == 0 else 6, 16)
+    compiled(x)
+    return {}

@@ -181,3 +181,10 @@ def test_default_store_is_the_rendezvous_store():
         assert tp.default_store().get("hca/test") == b"42"
     finally:
         dist.destroy_process_group()
+
+
+def test_group_members(fake_pg):
+    world = dist.group.WORLD.group_name
+    assert tp.group_members(world) == [0, 1, 2, 3]
+    sub = dist.new_group([1, 3])
+    assert tp.group_members(sub.group_name) == [1, 3]

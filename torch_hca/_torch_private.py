@@ -133,3 +133,11 @@ def clear_dtensor_sharding_cache() -> None:
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()
+
+
+def group_members(group_name: str) -> list[int]:
+    """Global ranks of the process group a `_c10d_functional` op names."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return dist.get_process_group_ranks(_resolve_process_group(group_name))
