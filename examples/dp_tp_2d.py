@@ -32,8 +32,4 @@ def main():
 
 
 if __name__ == "__main__":
-    if "RANK" in os.environ:  # under torchrun
-        main()
-        torch.distributed.destroy_process_group()  # a clean exit: gloo's threads stop first
-    else:
-        hca.launch(main, 4)
+    hca.run(main, 4)  # under torchrun: this rank; else 4 local gloo ranks

@@ -33,8 +33,4 @@ def main():
 
 
 if __name__ == "__main__":
-    if "RANK" in os.environ:  # under torchrun
-        main()
-        torch.distributed.destroy_process_group()  # a clean exit: gloo's threads stop first
-    else:
-        hca.launch(main, 2)
+    hca.run(main, 2)  # under torchrun: this rank; else 2 local gloo ranks

@@ -49,3 +49,10 @@ def test_rendezvous_and_gloo_listen_on_loopback_only():
     addresses = store + [a for rank in per_rank for a in rank]
     assert store, "the parent serves the rendezvous store"
     assert addresses and all(a.startswith("127.0.0.1:") for a in addresses), addresses
+
+
+def test_run_calls_fn_in_this_process_under_torchrun(monkeypatch):
+    calls = []
+    monkeypatch.setenv("RANK", "0")
+    hca.run(lambda *a: calls.append(a), 2, "x")  # no ranks started: torchrun already made this one
+    assert calls == [("x",)]

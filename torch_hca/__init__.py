@@ -16,7 +16,7 @@ from .errors import (
 )
 from . import collectives
 from .gradients import reduce_gradients
-from .launch import LocalWorld, launch
+from .launch import LocalWorld, launch, run
 from .mesh import current_mesh, init_mesh
 from .plan import sharded
 from .report import CompileReport, report
@@ -26,5 +26,5 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckError", "CollectiveError", "CompileReport", "HCAError", "LocalWorld", "MeshError", "OptionsError",
     "Partial", "PlacementError", "PlanError", "RankError", "Replicate", "RoleError", "Shard",
-    "UnsupportedError", "collectives", "current_mesh", "init_mesh", "launch", "reduce_gradients", "report", "sharded",
+    "UnsupportedError", "collectives", "current_mesh", "init_mesh", "launch", "reduce_gradients", "report", "run", "sharded",
 ]

@@ -209,3 +209,16 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
     """
     with LocalWorld(world_size, timeout_s) as world:
         return world.run(fn, *args)
+
+
+def run(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+    """Entry point for scripts: ``fn(*args)`` on every rank, with or without torchrun.
+
+    Under torchrun (``RANK`` is set) this process is one rank: call ``fn`` here
+    (`init_mesh` closes the process group it opens at exit). Otherwise start
+    `world_size` local gloo ranks with `launch`.
+    """
+    if "RANK" in os.environ:
+        fn(*args)
+    else:
+        launch(fn, world_size, *args)
