@@ -16,11 +16,11 @@ from torch._dynamo.backends.common import aot_autograd
 from torch.distributed.tensor import DTensor
 
 from torch_hca._torch_private import graph_arg_example, group_size
-from torch_hca.collective_kinds import OPS, RULES
+from torch_hca.collective_kinds import OPS, RULES, node_payload
 from torch_hca.options import Options
 from torch_hca.plan import parameter_name
 from torch_hca.errors import HCAError, UnsupportedError
-from torch_hca.spmd_check import check_same_collectives, collective_sequence
+from torch_hca.spmd_check import check_same_collectives
 from torch_hca.report import CollectiveRecord, CompileReport, GraphReport, layout_str, new_graph_report
 from torch_hca.passes.collective_rewrites import REWRITE, CollectiveRewritePass, agree_across_ranks, no_rank_rewrites
 from torch_hca.passes.infra import PassContext, dump, run_pass
@@ -54,13 +54,14 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
     def forward_compiler(fw: fx.GraphModule, inputs):
         report.forward = run_pass(SchedulePass("forward"), fw, ctx)
         _record_collectives(report, fw, "forward")
-        return _checked_first_run(emit(report.forward, inputs, options.inner), fw, f"graph {report.index} forward")
+        compiled = emit(report.forward, inputs, options.inner)
+        return _checked_first_run(compiled, report.schedules["forward"]["per_group"], f"graph {report.index} forward")
 
     def backward_compiler(bw: fx.GraphModule, inputs):
         report.backward = run_pass(SchedulePass("backward"), bw, ctx)
         _record_collectives(report, bw, "backward")
         compiled = emit(report.backward, inputs, options.inner, is_backward=True)
-        return _checked_first_run(compiled, bw, f"graph {report.index} backward")
+        return _checked_first_run(compiled, report.schedules["backward"]["per_group"], f"graph {report.index} backward")
 
     def inference_compiler(fw: fx.GraphModule, inputs):
         report.inference = True
@@ -89,14 +90,17 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
     return compiled
 
 
-def _checked_first_run(compiled: Callable, gm: fx.GraphModule, what: str) -> Callable:
-    """`compiled`, checking on its first call that every rank issues the same collectives."""
-    sequence = collective_sequence(gm)
+def _checked_first_run(compiled: Callable, per_group: dict[str, list[str]], what: str) -> Callable:
+    """`compiled`, checking on its first call that every rank issues the same collectives.
+
+    ``per_group`` is the schedule checker's summary of the graph: each group's
+    collectives in issue order.
+    """
     pending = [True]
 
     def run(args):
         if pending:
-            check_same_collectives(sequence, what)
+            check_same_collectives(per_group, what)
             pending.clear()
         return compiled(args)
 
@@ -146,9 +150,7 @@ def _record_collectives(report: GraphReport, gm: fx.GraphModule, direction: str)
         if node.op != "call_function" or node.target not in OPS:
             continue
         info = OPS[node.target]
-        tensor = node.args[0] if info.payload == "input" else node
-        val = tensor.meta.get("val")
-        vals = val if isinstance(val, (list, tuple)) else [val]
+        vals = node_payload(node)
         group = str(node.args[info.group_arg])
         n = group_size(group)
         payload = sum(v.numel() * v.element_size() for v in vals)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from torch_hca.collective_kinds import OPS, RULES, Kind
+from torch_hca.collective_kinds import OPS, RULES, Kind, node_payload
 from torch_hca.errors import CheckError
 
 from .infra import PassContext, PassResult
@@ -30,12 +30,9 @@ def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
 
 
 def payload_key(node: fx.Node) -> tuple:
-    info = OPS[node.target]
-    tensor = node.args[0] if info.payload == "input" else node
-    val = tensor.meta.get("val") if isinstance(tensor, fx.Node) else None
-    group = node.args[info.group_arg]
-    numel = val.numel() if val is not None and hasattr(val, "numel") else None
-    return group, numel
+    vals = node_payload(node)
+    numel = sum(v.numel() for v in vals) if all(hasattr(v, "numel") for v in vals) else None
+    return node.args[OPS[node.target].group_arg], numel
 
 
 class TransposePass:

@@ -18,11 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_hca as hca
 from torch_hca import zoo
-from torch_hca.collective_kinds import OPS
+from torch_hca.collective_kinds import CollectiveCounter
 
 
 @dataclass(frozen=True)
@@ -199,20 +198,6 @@ def inner(name: str) -> dict[str, Any]:
     }
 
 
-class CountCollectives(TorchDispatchMode):
-    """Counts the `_c10d_functional` collectives actually issued, by kind."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        info = OPS.get(func)
-        if info is not None:
-            self.counts[info.kind.value] = self.counts.get(info.kind.value, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 def accumulate(role: str, microbatches: int = 4) -> dict[str, Any]:
     """Gradient accumulation over `microbatches` under one gradient role, collectives counted."""
     case = dataclasses.replace(CASES["dp"], grad_reduction=role)
@@ -224,7 +209,7 @@ def accumulate(role: str, microbatches: int = 4) -> dict[str, Any]:
     per_backward = hca.report(compiled).collective_counts("backward")
     in_backward = {kind: n * microbatches for kind, n in per_backward.items()}
     before = sorted({str(p.grad.placements) for p in model.parameters()})
-    with CountCollectives() as counter:  # eager code: the dispatcher sees every collective
+    with CollectiveCounter() as counter:  # eager code: the dispatcher sees every collective
         buckets = hca.reduce_gradients(model)
     for x in xs:
         loss_of(ref(x)).backward()
@@ -253,29 +238,49 @@ class PerRankRows(nn.Module):
         return full.chunk(dist.get_world_size())[dist.get_rank()]
 
 
-def rewritten_per_rank_code() -> dict[str, Any]:
-    """all_reduce then this rank's chunk, compiled: the rewrite pass makes it one reduce_scatter."""
+def per_rank_step(make: Callable[[], nn.Module], rows: int, options: dict, reference: Callable) -> dict[str, Any]:
+    """One compiled step of per-rank code against one device; rank r's input is xs[r].
+
+    ``reference(ref, xs)`` is what rank r's output should be on one device. Each
+    parameter is replicated and every rank sees the whole loss, so the ranks'
+    gradients are summands of the single-device gradient.
+    """
     torch._dynamo.reset()
     n, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
-    ref = PerRankRows()
+    ref = make()
     model = copy.deepcopy(ref)
-    xs = [torch.randn(4 * n, 16) for _ in range(n)]  # rank r's input is xs[r]
-    compiled = torch.compile(model, backend="hca", options={"strict": True, "rank_rewrites": True})
+    xs = [torch.randn(rows, 16) for _ in range(n)]
+    compiled = torch.compile(model, backend="hca", options=options)
     out = compiled(xs[rank])
     loss_of(out).backward()
-    full = sum(x @ ref.w for x in xs)
+    expected, full = reference(ref, xs)
     loss_of(full).backward()
-    grad = model.w.grad.clone()
-    dist.all_reduce(grad)  # w is replicated: the ranks' gradients are its summands
+    refs = dict(ref.named_parameters())
+    grad_err = 0.0
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        grad_err = max(grad_err, rel_err(g, refs[name].grad))
     rep = hca.report(compiled)
     return {
-        "out_err": rel_err(out, full.chunk(n)[rank]),
-        "grad_err": rel_err(grad, ref.w.grad),
+        "out_err": rel_err(out, expected),
+        "grad_err": grad_err,
         "forward": rep.collective_counts("forward"),
         "backward": rep.collective_counts("backward"),
         "rules": [c.rule for c in rep.collectives if c.direction == "forward"],
     }
+
+
+def rewritten_per_rank_code() -> dict[str, Any]:
+    """all_reduce then this rank's chunk, compiled: the rewrite pass makes it one reduce_scatter."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+
+    def reference(ref, xs):
+        full = sum(x @ ref.w for x in xs)
+        return full.chunk(n)[rank], full
+
+    return per_rank_step(PerRankRows, 4 * n, {"strict": True, "rank_rewrites": True}, reference)
 
 
 class TwoPartials(nn.Module):
@@ -294,28 +299,12 @@ class TwoPartials(nn.Module):
 
 def rewritten_sum_of_all_reduces() -> dict[str, Any]:
     """all_reduce(a) + all_reduce(b) compiled with default options: one all_reduce of the sum."""
-    torch._dynamo.reset()
-    n, rank = dist.get_world_size(), dist.get_rank()
-    torch.manual_seed(0)
-    ref = TwoPartials()
-    model = copy.deepcopy(ref)
-    xs = [torch.randn(8, 16) for _ in range(n)]
-    compiled = torch.compile(model, backend="hca", options={"strict": True})
-    out = compiled(xs[rank])
-    loss_of(out).backward()
-    full = sum(x @ ref.a for x in xs) + sum(x @ ref.b for x in xs)
-    # dst R: every rank holds the whole loss and its whole gradient; the ranks'
-    # parameter gradients are summands of the single-device one.
-    loss_of(full).backward()
-    grads = [model.a.grad.clone(), model.b.grad.clone()]
-    for g in grads:
-        dist.all_reduce(g)
-    rep = hca.report(compiled)
-    return {
-        "out_err": rel_err(out, full),
-        "grad_err": max(rel_err(grads[0], ref.a.grad), rel_err(grads[1], ref.b.grad)),
-        "forward": rep.collective_counts("forward"),
-    }
+
+    def reference(ref, xs):
+        full = sum(x @ ref.a for x in xs) + sum(x @ ref.b for x in xs)
+        return full, full  # dst R: every rank holds the whole output and loss
+
+    return per_rank_step(TwoPartials, 8, {"strict": True}, reference)
 
 
 def divergent_batch_sizes() -> dict[str, Any]:

@@ -29,10 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import zoo
-from .collective_kinds import OPS, Kind, bytes_per_rank
+from .collective_kinds import CollectiveCounter, Kind, bytes_per_rank
 from .launch import launch
 from .mesh import init_mesh
 from .plan import sharded
@@ -65,35 +64,6 @@ def applies(model: str, contestant: str) -> bool:
 
 
 # ------------------------------------------------------------ byte counting
-
-def _op_wire_bytes(func, args, out) -> tuple[float, int]:
-    """(wire bytes one rank sends, collectives) for one `_c10d_functional` op."""
-    info = OPS[func]
-    group = args[info.group_arg]
-    n = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group)) if isinstance(group, str) else dist.get_world_size()
-    if info.coalesced:
-        bufs = list(args[0] if info.payload == "input" else out)
-    else:
-        bufs = [args[0] if info.payload == "input" else out]
-    wire = sum(bytes_per_rank(info.kind, b.numel() * b.element_size(), n) for b in bufs)
-    return wire, len(bufs)
-
-
-class CollectiveCounter(TorchDispatchMode):
-    """Counts the `_c10d_functional` collectives the dispatcher sees while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes, self.count = 0.0, 0
-
-    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in OPS:
-            wire, count = _op_wire_bytes(func, args, out)
-            self.bytes += wire
-            self.count += count
-        return out
-
 
 class _Nothing:
     def __enter__(self):
@@ -209,7 +179,7 @@ def _run_one(spec: Spec, contestant: str, ref: nn.Module, ref_grads: dict, batch
             rec["compile_time_s"] = dt
         else:
             times.append(dt)
-        counted.append((counter.bytes, counter.count))
+        counted.append((counter.wire_bytes, sum(counter.counts.values())))
     rec["step_time_s"] = statistics.median(times) if times else None
     rec["peak_mem_bytes"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024
     # Bytes per step: from a steady step (the last one), not the first.

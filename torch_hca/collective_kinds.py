@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._torch_private import group_rank, group_size
 from .errors import CheckError, CollectiveError
@@ -356,3 +357,44 @@ def emit_transpose(kind: Kind, y: Tensor, group_name: str, **params: Any) -> Ten
     rule = RULES[kind]
     coords = {k: params.pop(k) for k in ("rank", "size") if k in params}
     return RULES[rule.transpose].emit(y, group_name, **coords, **rule.transpose_params(params))
+
+
+def payload_tensors(op, inputs, output) -> list:
+    """The tensors that are a collective's payload (the full logical buffers), as a list.
+
+    ``inputs`` is the op's first argument and ``output`` its result: real
+    tensors at run time, or the fake values ``node.meta["val"]`` in a graph.
+    """
+    info = OPS[op]
+    chosen = inputs if info.payload == "input" else output
+    return list(chosen) if isinstance(chosen, (list, tuple)) else [chosen]
+
+
+def node_payload(node) -> list:
+    """`payload_tensors` for a collective node of an FX graph, from its recorded values."""
+    first = node.args[0]
+    inputs = [a.meta.get("val") for a in first] if isinstance(first, (list, tuple)) else first.meta.get("val")
+    return payload_tensors(node.target, inputs, node.meta.get("val"))
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the `_c10d_functional` collectives the dispatcher sees while active.
+
+    ``counts``: collectives by kind; ``wire_bytes``: bytes one rank sent (ring model).
+    Collectives inside a compiled graph are not seen: count those from the report.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+        self.wire_bytes = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        info = OPS.get(func)
+        if info is not None:
+            tensors = payload_tensors(func, args[0], out)
+            n = group_size(args[info.group_arg])
+            self.counts[info.kind.value] = self.counts.get(info.kind.value, 0) + len(tensors)
+            self.wire_bytes += sum(bytes_per_rank(info.kind, t.numel() * t.element_size(), n) for t in tensors)
+        return out

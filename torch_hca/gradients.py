@@ -27,7 +27,7 @@ class Bucket:
     bytes: int = 0
 
 
-def _partial_dims(grad: DTensor) -> tuple[int, ...]:
+def partial_dims(grad: DTensor) -> tuple[int, ...]:
     return tuple(i for i, p in enumerate(grad.placements) if p.is_partial())
 
 
@@ -36,7 +36,7 @@ def _buckets(named: list[tuple[str, nn.Parameter]], bucket_bytes: int) -> list[t
     buckets: list[tuple[Bucket, list[nn.Parameter]]] = []
     open_by_key: dict[tuple, tuple[Bucket, list[nn.Parameter]]] = {}
     for name, p in named:
-        dims = _partial_dims(p.grad)
+        dims = partial_dims(p.grad)
         if not dims:
             continue
         key = (dims[0], p.grad.dtype, id(p.grad.device_mesh))
@@ -77,7 +77,7 @@ def reduce_gradients(model: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES)
     done: list[Bucket] = []
     while True:
         named = [(n, p) for n, p in model.named_parameters()
-                 if isinstance(p.grad, DTensor) and _partial_dims(p.grad)]
+                 if isinstance(p.grad, DTensor) and partial_dims(p.grad)]
         if not named:
             return done
         for bucket, params in _buckets(named, bucket_bytes):

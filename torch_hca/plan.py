@@ -148,6 +148,14 @@ class ShardingSpec:
         return y.redistribute(self.mesh, self.outputs).to_local(grad_placements=self.outputs)
 
 
+def _matching(pattern: str, names: list[str], what: str, then: str) -> list[str]:
+    """The parameter names a glob matches; matching none is an error naming them all."""
+    hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+    if not hits:
+        raise PlanError(f"hca.sharded: {what} matches no parameter{then} parameters are {sorted(names)}")
+    return hits
+
+
 def _resolve_plan(module: nn.Module, plan: Mapping[str, Any], mesh: DeviceMesh) -> dict[str, Layout]:
     if not isinstance(plan, Mapping):
         raise PlanError(
@@ -159,12 +167,7 @@ def _resolve_plan(module: nn.Module, plan: Mapping[str, Any], mesh: DeviceMesh) 
     for pattern, value in plan.items():
         if not isinstance(pattern, str):
             raise PlanError(f"hca.sharded: plan key {pattern!r} must be a glob string like 'fc1.*'")
-        hits = [n for n in named if fnmatch.fnmatchcase(n, pattern)]
-        if not hits:
-            raise PlanError(
-                f"hca.sharded: plan pattern {pattern!r} matches no parameter of "
-                f"{type(module).__name__}; its parameters are {sorted(named)}"
-            )
+        hits = _matching(pattern, list(named), f"plan pattern {pattern!r}", f" of {type(module).__name__}; its")
         for name in hits:
             layout = _layout(value, mesh, f"parameter {name!r} (pattern {pattern!r})")
             layout = _check_storage(layout, named[name].shape, mesh, f"parameter {name!r} (pattern {pattern!r})")
@@ -258,12 +261,7 @@ def _resolve_roles(module: nn.Module, grad_reduction: Any) -> dict[str, str]:
     for pattern, role in rules.items():
         if role not in GRAD_ROLES:
             raise PlanError(f"hca.sharded: grad_reduction role {role!r} for {pattern!r}; use one of {GRAD_ROLES}")
-        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-        if not hits and pattern != "*":
-            raise PlanError(
-                f"hca.sharded: grad_reduction pattern {pattern!r} matches no parameter; "
-                f"the parameters are {sorted(names)}"
-            )
+        hits = _matching(pattern, names, f"grad_reduction pattern {pattern!r}", "; the") if pattern != "*" else names
         roles.update(dict.fromkeys(hits, role))
     return roles
 

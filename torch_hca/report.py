@@ -17,6 +17,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from .errors import HCAError
+from .gradients import partial_dims
 
 
 def placement_str(p: Placement) -> str:
@@ -190,7 +191,7 @@ class CompileReport:
         pending = []
         for name, p in module.named_parameters():
             g = p.grad
-            if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            if isinstance(g, DTensor) and partial_dims(g):
                 pending.append({
                     "parameter": name, "placements": layout_str(g.placements),
                     "bytes": g.numel() * g.element_size(),

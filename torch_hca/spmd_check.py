@@ -3,7 +3,7 @@
 Ranks that compiled different programs (another batch size on one rank, a
 rank-dependent branch) would otherwise meet in mismatched collectives: gloo
 aborts the process or the job hangs. Each rank posts its graph's collective
-sequence to the rendezvous store (text, no pickle, no collective) and reads
+sequence per group (from the schedule checker's summary) to the rendezvous store (text, no pickle, no collective) and reads
 the others'; a difference is a `CheckError` naming the first differing
 collective on both sides, a rank that never posts is one after the timeout.
 """
@@ -14,52 +14,31 @@ import datetime
 import itertools
 
 import torch.distributed as dist
-import torch.fx as fx
 
 from ._torch_private import default_store, group_members
-from .collective_kinds import OPS
 from .errors import CheckError
 
 TIMEOUT_S = 120.0
 _first_runs = itertools.count()  # one per compiled graph's first run, in the same order on every rank
 
 
-def collective_sequence(gm: fx.GraphModule) -> list[tuple[str, str]]:
-    """The graph's collectives in issue order: (group name, kind dtype shape)."""
-    seq = []
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in OPS:
-            info = OPS[node.target]
-            vals = node.meta.get("val")
-            vals = vals if isinstance(vals, (list, tuple)) else [vals]
-            shapes = "+".join(f"{getattr(v, 'dtype', '?')}{tuple(getattr(v, 'shape', ()))}" for v in vals)
-            seq.append((str(node.args[info.group_arg]), f"{info.kind.value} {shapes}".replace("torch.", "")))
-    return seq
-
-
-def _per_group(sequence: list[tuple[str, str]]) -> dict[str, list[str]]:
-    groups: dict[str, list[str]] = {}
-    for group, desc in sequence:
-        groups.setdefault(group, []).append(desc)
-    return groups
-
-
 def _needs_exchange() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
 
 
-def check_same_collectives(sequence: list[tuple[str, str]], what: str) -> None:
+def check_same_collectives(mine: dict[str, list[str]], what: str) -> None:
     """Raise `CheckError` unless every member of each group this graph uses issues that group's collectives alike.
 
-    Group names are per rank (on a 2-D mesh, ranks 0-1 and 2-3 hold different tp
-    groups), so each rank compares a group's sequence only with that group's members.
+    ``mine``: group name -> its collectives in issue order (the schedule
+    checker's `ScheduleSummary.per_group`). Group names are per rank (on a 2-D
+    mesh, ranks 0-1 and 2-3 hold different tp groups), so each rank compares a
+    group's sequence only with that group's members.
     """
     if not _needs_exchange():
         return
     store, rank = default_store(), dist.get_rank()
     prefix = f"hca/first_run/{next(_first_runs)}/"
-    store.set(prefix + str(rank), "\n".join(f"{g}\t{d}" for g, d in sequence))  # every rank posts
-    mine = _per_group(sequence)
+    store.set(prefix + str(rank), "\n".join(f"{g}\t{d}" for g, seq in mine.items() for d in seq))  # every rank posts
     peers = sorted({r for g in mine for r in group_members(g)} - {rank})
     try:
         store.wait([prefix + str(r) for r in peers], datetime.timedelta(seconds=TIMEOUT_S))
@@ -69,8 +48,10 @@ def check_same_collectives(sequence: list[tuple[str, str]], what: str) -> None:
             "the ranks are running different programs"
         ) from e
     for other in peers:
-        lines = [line.split("\t", 1) for line in store.get(prefix + str(other)).decode().split("\n") if line]
-        theirs = _per_group([(g, d) for g, d in lines])
+        theirs: dict[str, list[str]] = {}
+        for line in filter(None, store.get(prefix + str(other)).decode().split("\n")):
+            group, desc = line.split("\t", 1)
+            theirs.setdefault(group, []).append(desc)
         for group, seq in mine.items():
             if other in group_members(group) and theirs.get(group, []) != seq:
                 raise CheckError(_describe_difference(f"{what}, group {group}", rank, seq, other, theirs.get(group, [])))
