@@ -8,9 +8,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .cost_model import DEFAULTS, CostModel, backend_for, cost_model, with_overrides
 from .errors import OptionsError
 
 INNER = ("eager", "inductor", "dtensor")
+LAYOUT = ("solve", "dtensor")
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,23 @@ class Options:
       ("this rank's shard of an all-reduce is a reduce-scatter"); the ranks agree
       on each through the rendezvous store while compiling, so every rank must
       compile the same graphs in the same order.
+    layout: "solve" (default): the layout pass chooses every value's placement
+      by a global cost minimization (`torch_hca.layout_solver`); "dtensor": keep
+      DTensor's own per-op choices, only made explicit.
+    memory_weight: seconds of step time one byte of activation memory per rank
+      is worth to the layout solver (default 0: memory is free).
+    memory_budget: bytes of activation memory per rank the layout may use
+      (default None: no bound); a layout that cannot fit is a PlanError.
+    solver_time_limit_s: time limit of the exact solver before the greedy
+      fallback takes over (default 10).
+    cost_model: overrides of `torch_hca.cost_model.CostModel` fields
+      (launch_s, alpha_s, bytes_per_s, flops_per_s, memory_bytes_per_s).
+    schedule: reorder (start collectives early, wait late) and bucket
+      collectives (default True); False keeps the traced order.
+    bucket_cap_mb: largest flat buffer gradient reductions and weight
+      all-gathers are merged into (default 25, as DDP).
+    max_in_flight_mb: bound on bytes of collectives started but not yet
+      waited on (default 64).
     mode: torch.compile's `mode=`, recorded in the report (not yet acted on).
     """
 
@@ -35,6 +54,14 @@ class Options:
     strict: bool = False
     debug_dir: str | None = None
     rank_rewrites: bool = False
+    layout: str = "solve"
+    memory_weight: float = 0.0
+    memory_budget: float | None = None
+    solver_time_limit_s: float = 10.0
+    cost_model: tuple = ()  # (field, value) pairs: the dataclass stays hashable
+    schedule: bool = True
+    bucket_cap_mb: float = 25.0
+    max_in_flight_mb: float = 64.0
     mode: str | None = None
 
     @classmethod
@@ -54,14 +81,37 @@ class Options:
         inner = options.get("inner", "eager")
         if inner not in INNER:
             raise OptionsError(f"backend 'hca': options['inner']={inner!r}; use one of {INNER}")
-        strict = options.get("strict", False)
-        rank_rewrites = options.get("rank_rewrites", False)
-        for key, value in (("strict", strict), ("rank_rewrites", rank_rewrites)):
-            if not isinstance(value, bool):
-                raise OptionsError(f"backend 'hca': options[{key!r}] must be a bool, got {value!r}")
+        for key in ("strict", "rank_rewrites", "schedule"):
+            if not isinstance(options.get(key, False), bool):
+                raise OptionsError(f"backend 'hca': options[{key!r}] must be a bool, got {options[key]!r}")
+        layout = options.get("layout", "solve")
+        if layout not in LAYOUT:
+            raise OptionsError(f"backend 'hca': options['layout']={layout!r}; use one of {LAYOUT}")
+        numbers = {}
+        for key in ("memory_weight", "memory_budget", "solver_time_limit_s", "bucket_cap_mb", "max_in_flight_mb"):
+            if key in options and not (key == "memory_budget" and options[key] is None):
+                value = options[key]
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                    raise OptionsError(f"backend 'hca': options[{key!r}] must be a number >= 0, got {value!r}")
+                numbers[key] = float(value)
+        overrides = options.get("cost_model") or {}
+        if not isinstance(overrides, Mapping):
+            raise OptionsError(
+                f"backend 'hca': options['cost_model'] must be a dict of CostModel fields, got {overrides!r}"
+            )
+        with_overrides(DEFAULTS["gloo"], overrides)  # validates names and values
         debug_dir = options.get("debug_dir") or os.environ.get("TORCH_HCA_DEBUG_DIR")
         if debug_dir is not None and not isinstance(debug_dir, (str, os.PathLike)):
             raise OptionsError(
                 f"backend 'hca': options['debug_dir'] must be a directory path, got {debug_dir!r}"
             )
-        return cls(inner=inner, strict=strict, debug_dir=debug_dir, rank_rewrites=rank_rewrites, mode=mode)
+        return cls(
+            inner=inner, strict=options.get("strict", False), debug_dir=debug_dir,
+            rank_rewrites=options.get("rank_rewrites", False), layout=layout,
+            cost_model=tuple(sorted(overrides.items())), schedule=options.get("schedule", True),
+            mode=mode, **numbers,
+        )
+
+    def costs(self, device_type: str) -> CostModel:
+        """The cost model for a mesh on `device_type`, with this compile's overrides."""
+        return cost_model(backend_for(device_type), dict(self.cost_model))
