@@ -277,10 +277,16 @@ def test_submesh_smaller_than_world(fake_pg):
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"bogus": 1}, r"unknown option\(s\) \['bogus'\]; the options are \['debug_dir', 'inner', 'rank_rewrites', 'strict'\]"),
+        ({"bogus": 1}, r"unknown option\(s\) \['bogus'\]; the options are \['bucket_cap_mb', 'cost_model', 'debug_dir', 'inner', 'layout', "
+         r"'max_in_flight_mb', 'memory_budget', 'memory_weight', 'rank_rewrites', 'schedule', "
+         r"'solver_time_limit_s', 'strict'\]"),
         ({"inner": "nope"}, r"options\['inner'\]='nope'; use one of \('eager', 'inductor', 'dtensor'\)"),
         ({"strict": "yes"}, r"options\['strict'\] must be a bool, got 'yes'"),
         ({"debug_dir": 5}, r"options\['debug_dir'\] must be a directory path, got 5"),
+        ({"schedule": 1}, r"options\['schedule'\] must be a bool, got 1"),
+        ({"layout": "ilp"}, r"options\['layout'\]='ilp'; use one of \('solve', 'dtensor'\)"),
+        ({"memory_budget": -1}, r"options\['memory_budget'\] must be a number >= 0, got -1"),
+        ({"cost_model": 3}, r"options\['cost_model'\] must be a dict of CostModel fields, got 3"),
         ("inductor", r"options must be a dict, got str 'inductor'; write options=\{'inner': 'inductor'\}"),
     ],
 )
@@ -292,7 +298,9 @@ def test_bad_options_parse(options, message):
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"bogus": 1}, r"unknown option\(s\) \['bogus'\]; the options are \['debug_dir', 'inner', 'rank_rewrites', 'strict'\]"),
+        ({"bogus": 1}, r"unknown option\(s\) \['bogus'\]; the options are \['bucket_cap_mb', 'cost_model', 'debug_dir', 'inner', 'layout', "
+         r"'max_in_flight_mb', 'memory_budget', 'memory_weight', 'rank_rewrites', 'schedule', "
+         r"'solver_time_limit_s', 'strict'\]"),
         ({"inner": "nope"}, r"options\['inner'\]='nope'; use one of \('eager', 'inductor', 'dtensor'\)"),
     ],
 )
