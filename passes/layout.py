@@ -1,11 +1,17 @@
-"""Layout pass: every placement change in the DTensor program becomes an explicit node.
+"""Layout pass: a placement for every value, chosen globally, every move an explicit node.
 
-This first version keeps DTensor's own per-op choices. It runs the Dynamo
-graph on the fake DTensors Dynamo traced with, watches where DTensor would
-redistribute an op's argument by itself, and inserts that redistribution as
-an explicit `dtensor_ops.redistribute` node before the op. Whatever remains
-implicit (a move inside a composite op, on a value the graph never names) is
-reported, and is an error under ``strict``.
+With ``layout="solve"`` (the default) the layout solver
+(`torch_hca.layout_solver`) picks each op's input and output layouts for the
+whole graph at once, by cost; the pass inserts a `dtensor_ops.redistribute`
+node wherever a value is read in another layout than it was written in.
+With ``layout="dtensor"`` DTensor's own per-op choices are kept.
+
+Either way the pass then runs the program on the fake DTensors Dynamo traced
+with and watches for any redistribution DTensor would still do on its own:
+each becomes an explicit node too and is listed in the report (after the
+solver there should be none: a test checks). Whatever cannot be made
+explicit (a move inside a composite op) is reported, and is an error under
+``strict``.
 """
 
 from __future__ import annotations
@@ -17,9 +23,10 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from torch_hca import dtensor_ops
-from torch_hca._torch_private import RedistributionEvent, fake_mode_of, record_implicit_redistributions
+from torch_hca import dtensor_ops, layout_solver
+from torch_hca._torch_private import RedistributionEvent, fake_mode_of, graph_arg_example, record_implicit_redistributions
 from torch_hca.errors import UnsupportedError
+from torch_hca.plan import parameter_name
 from torch_hca.report import Redistribution, layout_str
 
 from .infra import PassContext, PassResult
@@ -71,8 +78,66 @@ class LayoutPass:
         placeholders = gm.graph.find_nodes(op="placeholder")
         fake_mode = fake_mode_of([n.meta.get("example_value") for n in placeholders])
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
-            decisions = self._rewrite(gm, ctx)
-        return PassResult(gm, bool(decisions), decisions)
+            decisions = self._solve(gm, ctx) if ctx.options.layout == "solve" else []
+            implicit = self._rewrite(gm, ctx)
+        if ctx.options.layout == "dtensor":
+            ctx.report.layout = {"solver": "none (DTensor's per-op choices)"}
+        # After the solver, a move DTensor still wanted means a strategy it mis-predicted.
+        ctx.report.layout["left_to_dtensor"] = implicit
+        return PassResult(gm, bool(decisions or implicit), decisions + implicit)
+
+    def _solve(self, gm: fx.GraphModule, ctx: PassContext) -> list[str]:
+        """Choose every op's layouts with the solver and insert the moves it implies."""
+        mesh = _mesh_of(gm)
+        if mesh is None:
+            ctx.report.layout = {"solver": "none (no DTensor in the graph)"}
+            return []
+        symbolic = _symbolic_value(gm)
+        if symbolic is not None:
+            # Divisibility of a symbolic size is unknown: keep DTensor's choices.
+            ctx.report.layout = {"solver": f"none (dynamic shapes: {symbolic} has a symbolic size; DTensor's per-op choices kept)"}
+            return []
+        model = ctx.options.costs(mesh.device_type)
+        try:
+            ops = layout_solver.build_ops(gm, mesh, model, _storage_of)
+        except UnsupportedError as e:
+            if ctx.options.strict:
+                raise
+            ctx.report.layout = {"solver": f"none ({e}); DTensor's per-op choices kept"}
+            return []
+        o = ctx.options
+        solution = layout_solver.solve(
+            ops, layout_solver.Costs(mesh, model), memory_weight=o.memory_weight,
+            memory_budget=None if o.memory_budget is None else o.memory_budget, time_limit_s=o.solver_time_limit_s,
+        )
+        ctx.report.layout = {
+            "solver": solution.solver, "status": solution.status, "objective_s": solution.objective_s,
+            "bound_s": solution.bound_s, "seconds": solution.seconds, "cost_model": model.as_dict(),
+            "strategies": sum(len(op.strategies) for op in ops), "values": solution.explain,
+        }
+        return self._emit(gm, ctx, ops, solution)
+
+    def _emit(self, gm: fx.GraphModule, ctx: PassContext, ops, solution) -> list[str]:
+        """One explicit redistribute per (value, layout) read, before its first reader."""
+        graph = gm.graph
+        moved: dict[tuple[fx.Node, tuple], fx.Node] = {}
+        decisions = []
+        for op in ops:
+            if op.fixed:
+                continue
+            chosen = solution.choice[op.node]
+            for src, layout in zip(op.slots, chosen.inputs):
+                written = solution.choice[src].output if src in solution.choice else tuple(src.meta["example_value"].placements)
+                if written == layout:
+                    continue
+                if (src, layout) not in moved:
+                    with graph.inserting_before(op.node):
+                        moved[src, layout] = graph.call_function(dtensor_ops.redistribute, (src, layout))
+                    node = moved[src, layout]
+                    self._record(ctx, node, src, written, layout, f"{op.node.name} reads it so (layout solver)")
+                    decisions.append(f"{node.name}: {src.name} {layout_str(written)} -> {layout_str(layout)} for {op.node.name}")
+                op.node.replace_input_with(src, moved[src, layout])
+        return decisions
 
     def _rewrite(self, gm: fx.GraphModule, ctx: PassContext) -> list[str]:
         env: dict[fx.Node, Any] = {}
@@ -112,7 +177,7 @@ class LayoutPass:
                         )
             elif node.op == "call_method" and node.target == "redistribute":
                 self._record(ctx, node, node.args[0], env[node.args[0]].placements, tuple(value.placements), "explicit in the program")
-            env[node] = value
+            env[node] = node.meta["example_value"] = value  # later passes read the layouts chosen here
             meta = _value_meta(value)
             if meta is not None:
                 node.meta["hca_layout"] = meta
@@ -124,3 +189,29 @@ class LayoutPass:
         ctx.report.redistributions.append(
             Redistribution(node.name, src.name, layout_str(before), layout_str(after), reason)
         )
+
+
+def _storage_of(node: fx.Node):
+    """A parameter's storage layout (it may be gathered, not re-sharded), else None."""
+    if node.op != "placeholder":
+        return None
+    real = graph_arg_example(node)
+    if isinstance(real, DTensor) and parameter_name(real) is not None:
+        return tuple(real.placements)
+    return None
+
+
+def _mesh_of(gm: fx.GraphModule):
+    for node in gm.graph.nodes:
+        v = node.meta.get("example_value")
+        if isinstance(v, DTensor):
+            return v.device_mesh
+    return None
+
+
+def _symbolic_value(gm: fx.GraphModule) -> str | None:
+    for node in gm.graph.nodes:
+        v = node.meta.get("example_value")
+        if isinstance(v, torch.Tensor) and any(not isinstance(s, int) for s in v.shape):
+            return node.name
+    return None

@@ -57,6 +57,12 @@ class CostModel:
             return 0.0
         return self.launch_s + self.alpha_s * steps + RULES[kind].wire_bytes(payload_bytes, n) / self.bytes_per_s
 
+    def bandwidth_s(self, kind: Kind, payload_bytes: float, n: int) -> float:
+        """The bandwidth term alone: a collective merged into a bucket shares its latency."""
+        if ring_steps(kind, n) == 0:
+            return 0.0
+        return RULES[kind].wire_bytes(payload_bytes, n) / self.bytes_per_s
+
     def compute_s(self, flops: float, bytes_touched: float) -> float:
         """Seconds for one op: the slower of its arithmetic and its memory traffic."""
         return max(flops / self.flops_per_s, bytes_touched / self.memory_bytes_per_s)

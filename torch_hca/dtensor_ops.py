@@ -18,6 +18,10 @@ from .errors import UnsupportedError
 def redistribute(x: DTensor, placements: tuple[Placement, ...]) -> DTensor:
     """An explicit placement change chosen by the layout pass."""
     if any(p.is_partial() and p != q for p, q in zip(placements, x.placements)):
+        if any(p.is_partial() and q.is_shard() for p, q in zip(placements, x.placements)):
+            # DTensor has no S -> P: gather first (what the layout solver costs it as).
+            x = x.redistribute(x.device_mesh, [Replicate() if p.is_partial() and q.is_shard() else q
+                                               for p, q in zip(placements, x.placements)])
         return redistribute_to_partial(x, placements)
     return x.redistribute(x.device_mesh, placements)
 

@@ -97,6 +97,7 @@ class GraphReport:
     values: dict[str, dict[str, Any]] = field(default_factory=dict)
     passes: list[PassRecord] = field(default_factory=list)
     schedules: dict[str, dict[str, Any]] = field(default_factory=dict)
+    layout: dict[str, Any] = field(default_factory=dict)  # the layout solver's decision (see explain())
     # The parameters the graph reads, by id, held weakly: ids of dead parameters
     # are reused by new ones, so a match must also be the same object.
     param_refs: dict[int, weakref.ref] = field(default_factory=dict)
@@ -211,11 +212,39 @@ class CompileReport:
                     "values": g.values,
                     "redistributions": [r.as_dict() for r in g.redistributions],
                     "collectives": [c.as_dict() for c in g.collectives],
-                    "schedules": g.schedules,
+                    "schedules": {k: {f: v for f, v in s.items() if f != "before"} for k, s in g.schedules.items()},
+                    "layout": g.layout,
                 }
                 for g in self.graphs
             ],
         }
+
+    def explain(self) -> str:
+        """Why each value has its placement: shape, layout chosen, cost terms, and what it beat."""
+        parts = []
+        for g in self.graphs:
+            lay = g.layout
+            head = f"== graph {g.index}: layout by {lay.get('solver', '?')}"
+            if "objective_s" in lay:
+                bound = lay.get("bound_s")
+                head += (f", {lay['status']}; objective {lay['objective_s'] * 1e6:.1f} us"
+                         f"{'' if bound is None else f', bound {bound * 1e6:.1f} us'}; "
+                         f"{lay['strategies']} strategies, solved in {lay['seconds']:.2f} s")
+            lines = [head + " =="]
+            rows = lay.get("values", [])
+            if rows:
+                lines.append(f"{'value':<24} {'shape':<14} {'placement':<10} {'reads':<24} "
+                             f"{'compute':>9} {'fw comm':>9} {'bw comm':>9}  why")
+                for r in rows:
+                    lines.append(
+                        f"{r['value'][:24]:<24} {str(tuple(r['shape'])):<14} {r['placement']:<10} "
+                        f"{','.join(r['reads']):<24} {r['compute_us']:>7.1f}us {r['forward_comm_us']:>7.1f}us "
+                        f"{r['backward_comm_us']:>7.1f}us  {r['why']}"
+                    )
+            for left in lay.get("left_to_dtensor", []):
+                lines.append(f"moved by DTensor's choice, not the solver's: {left}")
+            parts.append("\n".join(lines))
+        return "\n\n".join(parts)
 
     def to_json(self) -> str:
         return json.dumps(self.strategy(), indent=2, sort_keys=True, default=str)

@@ -1,0 +1,664 @@
+"""The layout solver: a placement for every value of a DTensor program, chosen globally by cost.
+
+Each op of the Dynamo graph gets a *strategy*: the layout of each DTensor it
+reads and the layout it writes. The candidates are found by asking DTensor
+itself: every combination of input layouts is run on fake DTensors, and the
+ones DTensor executes without redistributing on its own are kept, with the
+output layout its sharding rule gives (`probe`). Parameters keep their
+storage layout or are gathered; program inputs and explicit redistributions
+are fixed. An edge producer -> consumer whose layouts differ pays for a
+redistribution.
+
+The cost of a choice (seconds, `torch_hca.cost_model`):
+  * forward redistributions, and in backward their transposes (DESIGN.md
+    section 1: all_gather <-> reduce_scatter, all_to_all <-> all_to_all,
+    all_reduce P->R <-> nothing, unless the cotangent comes back partial);
+  * the reduction a replicated value's cotangent needs when something reads
+    it on a split mesh dimension (the eager role): counted once per value,
+    because partial cotangents are summed before they are reduced;
+  * collectives on parameters (weight gathers, gradient reductions) pay
+    bandwidth only: the scheduler merges them into buckets, which share the
+    per-collective latency;
+  * compute, forward and backward, divided over the mesh dimensions the op's
+    work is split on (replicated work costs more);
+  * activation memory (options `memory_weight`, `memory_budget`).
+
+The exact solve is an integer program (`scipy.optimize.milp`, HiGHS): one
+binary per (op, strategy), one per (edge, producer layout, consumer layout)
+where both ends have a choice, marginals tying them together. It has a time
+limit; without a solution in time a greedy pass (each op in graph order takes
+its cheapest strategy given its producers) decides. Probes are cached by op
+and layouts, so repeated layers are probed once; the integer program itself
+spans the whole graph.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+from ._torch_private import record_implicit_redistributions
+from .collective_kinds import Kind
+from .cost_model import CostModel
+from .errors import PlanError, UnsupportedError
+
+Layout = tuple[Placement, ...]
+PARAMETER = "parameter storage"
+
+# Beyond this many input-layout combinations for one op, activations only try
+# the layouts their producer can write, plus replicated.
+MAX_COMBOS = 256
+
+# Ops whose result aliases their input: no compute and no new memory.
+VIEWS = {"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "flatten", "t", "contiguous",
+         torch.reshape, torch.transpose, torch.permute, torch.flatten, torch.unsqueeze, torch.squeeze}
+MATMULS = {F.linear, torch.matmul, torch.bmm, torch.mm, operator.matmul, "matmul", "bmm", "mm"}
+
+
+def layout_text(layout: Layout | None) -> str:
+    if layout is None:
+        return "-"
+    return "(" + ", ".join("R" if isinstance(p, Replicate) else f"S({p.dim})" if isinstance(p, Shard) else "P" for p in layout) + ")"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    inputs: tuple[Layout, ...]  # one per DTensor input (the op's `slots`)
+    output: Layout
+    varying: tuple[bool, ...]   # per mesh dimension: the op's work is split over it
+    compute_s: float            # forward + backward
+    memory_bytes: float         # this rank's bytes of the result
+
+
+@dataclass
+class Op:
+    """One node of the program with its candidate strategies."""
+
+    node: fx.Node
+    slots: list[fx.Node]
+    strategies: list[Strategy]
+    fixed: str | None = None        # why there is a single choice
+    redistributes_itself: bool = False  # an explicit `.redistribute` in the user's program
+    requires_grad: bool = False
+    value: Any = None               # the fake DTensor Dynamo traced
+    is_parameter: bool = False      # its moves and gradient reductions are bucketed
+
+
+@dataclass
+class Solution:
+    choice: dict[fx.Node, Strategy]
+    solver: str
+    objective_s: float
+    bound_s: float | None
+    status: str
+    seconds: float
+    explain: list[dict[str, Any]] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- layouts and moves
+
+
+def _dual(p: Placement, varying: bool) -> str:
+    """The placement of a cotangent, seen from the consumer of a value laid out as `p`."""
+    if isinstance(p, Replicate):
+        return "P" if varying else "R"
+    if isinstance(p, Partial):
+        return "R"
+    return f"S{p.dim}"
+
+
+def _name(p: Placement) -> str:
+    return "R" if isinstance(p, Replicate) else "P" if isinstance(p, Partial) else f"S{p.dim}"
+
+
+def _move_kind(src: str, dst: str) -> Kind | None:
+    """The collective that changes one mesh dimension from `src` to `dst` (None: local)."""
+    if src == dst or src == "R":
+        return None  # R -> S is a local chunk, R -> P keeps one summand
+    if src == "P":
+        return Kind.ALL_REDUCE if dst == "R" else Kind.REDUCE_SCATTER
+    if dst in ("R", "P"):
+        return Kind.ALL_GATHER
+    return Kind.ALL_TO_ALL
+
+
+def _factor(p: Placement, n: int) -> int:
+    return n if isinstance(p, Shard) else 1
+
+
+class Costs:
+    """Edge and value costs on one mesh, for one cost model."""
+
+    def __init__(self, mesh: DeviceMesh, model: CostModel):
+        self.mesh = mesh
+        self.model = model
+        self.sizes = tuple(mesh.shape)
+
+    def payload(self, nbytes: float, a: Layout, b: Layout, m: int) -> float:
+        """Bytes of the tensor one group of mesh dimension `m` works on."""
+        other = 1
+        for k, n in enumerate(self.sizes):
+            if k != m:
+                other *= max(_factor(a[k], n), _factor(b[k], n))
+        return nbytes / other
+
+    def collective(self, kind: Kind, payload: float, n: int, bucket: tuple | None, used: set | None) -> float:
+        """One collective's seconds; a bucketed one pays bandwidth and notes its bucket in `used`."""
+        if bucket is None:
+            return self.model.collective_s(kind, payload, n)
+        if used is not None and self.model.bandwidth_s(kind, payload, n) > 0:
+            used.add(bucket)
+        return self.model.bandwidth_s(kind, payload, n)
+
+    def bucket_latency(self, bucket: tuple) -> float:
+        """The latency one bucket (direction, kind, mesh dim) pays once."""
+        _, kind, m = bucket
+        return self.model.collective_s(kind, 0, self.sizes[m])
+
+    def forward(self, nbytes: float, src: Layout, dst: Layout, bucketed: bool = False, used: set | None = None) -> float:
+        total = 0.0
+        for m, n in enumerate(self.sizes):
+            kind = _move_kind(_name(src[m]), _name(dst[m]))
+            if kind is not None:
+                bucket = ("forward", kind, m) if bucketed else None
+                total += self.collective(kind, self.payload(nbytes, src, dst, m), n, bucket, used)
+        return total
+
+    def backward(self, nbytes: float, src: Layout, dst: Layout, varying: tuple[bool, ...],
+                 bucketed: bool = False, used: set | None = None) -> tuple[float, list[int]]:
+        """Transposes of the move src -> dst, and the mesh dims whose reduction the value owes."""
+        total, owed = 0.0, []
+        for m, n in enumerate(self.sizes):
+            arrives, needed = _dual(dst[m], varying[m]), _dual(src[m], False)
+            if isinstance(src[m], Replicate) and isinstance(dst[m], Replicate):
+                if arrives == "P":
+                    owed.append(m)  # summed over consumers first, reduced once (see `reduction`)
+                continue
+            kind = _move_kind(arrives, needed)
+            if kind is not None:
+                bucket = ("backward", kind, m) if bucketed else None
+                total += self.collective(kind, self.payload(nbytes, src, dst, m), n, bucket, used)
+        return total, owed
+
+    def reduction(self, nbytes: float, layout: Layout, m: int, bucketed: bool = False, used: set | None = None) -> float:
+        bucket = ("backward", Kind.ALL_REDUCE, m) if bucketed else None
+        return self.collective(Kind.ALL_REDUCE, self.payload(nbytes, layout, layout, m), self.sizes[m], bucket, used)
+
+
+def _nbytes(v: Any) -> float:
+    return float(v.numel() * v.element_size())
+
+
+# ----------------------------------------------------------------------------- candidates and probes
+
+
+def candidate_layouts(value: DTensor, mesh: DeviceMesh, storage: Layout | None) -> list[Layout]:
+    """Layouts a consumer may read `value` in.
+
+    A parameter (``storage`` given) is read as stored, gathered on any of its
+    sharded mesh dimensions, or as one summand where replicated (a bias added
+    to a partial sum); anything else in every layout whose shards divide
+    evenly.
+    """
+    if storage is not None:
+        options = [(p, Replicate(), Partial()) if isinstance(p, Shard) else (p, Partial()) for p in storage]
+        return list(dict.fromkeys(itertools.product(*options)))
+    shape = value.shape
+    per_dim = [[Replicate(), Partial()] + [Shard(d) for d in range(len(shape)) if _divides(shape[d], n)]
+               for n in mesh.shape]
+    layouts = []
+    for layout in itertools.product(*per_dim):
+        ways = {}
+        for m, p in enumerate(layout):
+            if isinstance(p, Shard):
+                ways[p.dim] = ways.get(p.dim, 1) * mesh.shape[m]
+        if all(_divides(shape[d], w) for d, w in ways.items()):
+            layouts.append(layout)
+    return layouts
+
+
+def _divides(size: Any, n: int) -> bool:
+    return isinstance(size, int) and size % n == 0 and size >= n
+
+
+def _fake_dtensor(like: DTensor, layout: Layout) -> DTensor:
+    mesh = like.device_mesh
+    local = list(like.shape)
+    for m, p in enumerate(layout):
+        if isinstance(p, Shard):
+            local[p.dim] //= mesh.shape[m]
+    data = torch.empty(local, dtype=like.dtype, device=like._local_tensor.device)
+    return DTensor.from_local(data, mesh, layout, run_check=False, shape=like.shape, stride=like.stride())
+
+
+def _call(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> Any:
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    return gm.get_submodule(node.target)(*args, **kwargs)
+
+
+def _describe_arg(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return ("tensor", tuple(a.shape), a.dtype)
+    if isinstance(a, (int, float, bool, str, type(None), torch.dtype, torch.device)):
+        return a
+    return repr(a)
+
+
+# (op, args described, layouts) -> (output layout or None) ; shared by every compile in the process
+_PROBES: dict[Any, Layout | None] = {}
+
+
+def probe(gm: fx.GraphModule, node: fx.Node, slots: list[fx.Node], layouts: tuple[Layout, ...], value_of) -> Layout | None:
+    """The layout DTensor writes when `node` reads `slots` in `layouts`; None if it would redistribute."""
+    swap = dict(zip(slots, layouts))
+    described = fx.node.map_arg((node.args, node.kwargs), lambda n: ("slot", slots.index(n)) if n in swap else _describe_arg(value_of(n)))
+    target = node.target if node.op != "call_module" else type(gm.get_submodule(node.target))
+    mesh = value_of(slots[0]).device_mesh
+    key = (node.op, target, repr(described), tuple(tuple(map(_name, lay)) for lay in layouts),
+           tuple(tuple(value_of(s).shape) for s in slots), tuple(mesh.shape))
+    if key in _PROBES:
+        return _PROBES[key]
+    args, kwargs = fx.node.map_arg(
+        (node.args, node.kwargs), lambda n: _fake_dtensor(value_of(n), swap[n]) if n in swap else value_of(n)
+    )
+    result = None
+    try:
+        with record_implicit_redistributions() as events:
+            out = _call(gm, node, args, kwargs)
+        if not events and isinstance(out, DTensor):
+            result = tuple(out.placements)
+    except Exception:  # a combination DTensor has no rule for
+        result = None
+    _PROBES[key] = result
+    return result
+
+
+def _flops(node: fx.Node, inputs: list[Any], out: DTensor) -> float:
+    target = node.target
+    if target in VIEWS:
+        return 0.0
+    if target in MATMULS and inputs:
+        return 2.0 * out.numel() * inputs[0].shape[-1]
+    return float(out.numel())
+
+
+# ----------------------------------------------------------------------------- the program as ops
+
+
+# Bytes a stored parameter costs per byte of it: itself, its gradient, Adam's two moments.
+STORAGE_COPIES = 4
+
+
+def build_ops(gm: fx.GraphModule, mesh: DeviceMesh, model: CostModel, storage_of: Callable[[fx.Node], Layout | None],
+              free_storage: Callable[[fx.Node], bool] = lambda node: False) -> list[Op]:
+    """Every DTensor-valued node with its strategies, in graph order.
+
+    ``storage_of``: a parameter placeholder's fixed storage layout (else None).
+    ``free_storage``: placeholders whose storage the solver chooses (`hca.plan`).
+    """
+    value_of = lambda n: n.meta.get("example_value")
+    ops: dict[fx.Node, Op] = {}
+    sizes = tuple(mesh.shape)
+    for node in gm.graph.nodes:
+        value = value_of(node)
+        if isinstance(value, (tuple, list)) and any(isinstance(v, DTensor) for v in value):
+            raise UnsupportedError(f"layout solver: {node.name} returns several DTensors; not supported yet")
+        if not isinstance(value, DTensor):
+            continue
+        layout = tuple(value.placements)
+        slots = [a for a in node.all_input_nodes if isinstance(value_of(a), DTensor)]
+        requires_grad = bool(value.requires_grad)
+        fixed_one = lambda why, inputs=(): Op(node, slots, [Strategy(tuple(inputs), layout, (False,) * len(sizes), 0.0, 0.0)],
+                                             fixed=why, requires_grad=requires_grad, value=value)
+        if node.op == "placeholder" and free_storage(node):
+            ops[node] = _storage_choices(node, value, mesh)
+        elif node.op == "placeholder":
+            op = fixed_one(PARAMETER if storage_of(node) is not None else "graph input")
+            op.is_parameter = storage_of(node) is not None
+            ops[node] = op
+        elif not slots:
+            ops[node] = fixed_one("made from a local tensor")
+        elif node.op == "call_method" and node.target == "redistribute":
+            op = fixed_one("explicit redistribute in the program", (layout,))
+            op.slots, op.redistributes_itself = slots[:1], True
+            ops[node] = op
+        else:
+            ops[node] = _probe_op(gm, node, slots, value, mesh, model, storage_of, ops)
+    return list(ops.values())
+
+
+def _storage_choices(node: fx.Node, value: DTensor, mesh: DeviceMesh) -> Op:
+    """A parameter whose storage is free: one strategy per layout it can be stored in."""
+    strategies = []
+    for layout in candidate_layouts(value, mesh, None):
+        if any(isinstance(p, Partial) for p in layout):
+            continue
+        local = _nbytes(value) / math.prod(_factor(p, n) for p, n in zip(layout, mesh.shape))
+        strategies.append(Strategy((), layout, (False,) * mesh.ndim, 0.0, STORAGE_COPIES * local))
+    return Op(node, [], strategies, requires_grad=bool(value.requires_grad), value=value, is_parameter=True)
+
+
+def _probe_op(gm, node, slots, value, mesh, model: CostModel, storage_of, ops: dict[fx.Node, Op]) -> Op:
+    value_of = lambda n: n.meta.get("example_value")
+    per_slot = [candidate_layouts(value_of(s), mesh, storage_of(s)) for s in slots]
+    if math.prod(len(c) for c in per_slot) > MAX_COMBOS:
+        narrowed = []
+        for s, cands in zip(slots, per_slot):
+            if storage_of(s) is None:
+                written = {st.output for st in ops[s].strategies} if s in ops else set()
+                cands = [c for c in cands if c in written or all(isinstance(p, Replicate) for p in c)]
+            narrowed.append(cands)
+        per_slot = narrowed
+    strategies = []
+    inputs = [value_of(s) for s in slots]
+    flops = _flops(node, inputs, value)
+    touched = sum(_nbytes(v) for v in inputs) + _nbytes(value)
+    for layouts in itertools.product(*per_slot):
+        out = probe(gm, node, slots, layouts, value_of)
+        if out is None:
+            continue
+        varying = tuple(not all(isinstance(l[m], Replicate) for l in (*layouts, out)) for m in range(mesh.ndim))
+        split = math.prod(n for n, v in zip(mesh.shape, varying) if v)
+        compute = 0.0 if node.target in VIEWS else 3.0 * model.compute_s(flops / split, touched / split)
+        memory = 0.0 if node.target in VIEWS else _nbytes(value) / math.prod(_factor(p, n) for p, n in zip(out, mesh.shape))
+        strategies.append(Strategy(tuple(layouts), out, varying, compute, memory))
+    if not strategies:
+        raise UnsupportedError(
+            f"layout solver: DTensor runs {node.name} ({node.target}) in no layout of its inputs "
+            f"without redistributing on its own; source: {_source(node)}"
+        )
+    return Op(node, slots, strategies, requires_grad=bool(value.requires_grad), value=value)
+
+
+def _source(node: fx.Node) -> str:
+    trace = (node.meta.get("stack_trace") or "?").strip().splitlines()
+    return trace[-1].strip() if trace else "?"
+
+
+# ----------------------------------------------------------------------------- the integer program
+
+
+class _Program:
+    """Sparse rows and a cost vector, built incrementally."""
+
+    def __init__(self):
+        self.cost: list[float] = []
+        self.integral: list[int] = []
+        self.lower: list[float] = []
+        self.rows: list[tuple[dict[int, float], float, float]] = []
+        self.constant = 0.0
+
+    def var(self, cost: float = 0.0, integral: bool = True, lower: float = 0.0) -> int:
+        self.cost.append(cost)
+        self.integral.append(1 if integral else 0)
+        self.lower.append(lower)
+        return len(self.cost) - 1
+
+    def row(self, coeffs: dict[int, float], lo: float, hi: float) -> None:
+        self.rows.append((coeffs, lo, hi))
+
+    def solve(self, time_limit: float):
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import coo_matrix
+
+        r, c, v = [], [], []
+        for i, (coeffs, _, _) in enumerate(self.rows):
+            for j, x in coeffs.items():
+                r.append(i), c.append(j), v.append(x)
+        a = coo_matrix((v, (r, c)), shape=(len(self.rows), len(self.cost))).tocsr()
+        lo = np.array([row[1] for row in self.rows])
+        hi = np.array([row[2] for row in self.rows])
+        return milp(
+            c=np.array(self.cost), integrality=np.array(self.integral),
+            bounds=Bounds(np.array(self.lower), np.ones(len(self.cost))),
+            constraints=[LinearConstraint(a, lo, hi)] if self.rows else [],
+            options={"time_limit": time_limit, "disp": False},
+        )
+
+
+@dataclass
+class _Edge:
+    producer: Op
+    consumer: Op
+    slot: int
+
+
+def _edges(ops: list[Op]) -> list[_Edge]:
+    by_node = {op.node: op for op in ops}
+    return [_Edge(by_node[s], op, i) for op in ops for i, s in enumerate(op.slots) if s in by_node]
+
+
+def _key(s: Strategy, slot: int) -> tuple:
+    return (s.inputs[slot], s.varying)
+
+
+def _edge_cost(costs: Costs, e: _Edge, out: Layout, key: tuple, used: set | None = None) -> tuple[float, float, list[int]]:
+    """Forward and backward seconds of the edge, and the mesh dims whose reduction its value owes.
+
+    Moves of a parameter are bucketed: they add their bucket to `used`.
+    """
+    q, varying = key
+    nbytes = _nbytes(e.producer.value)
+    bucketed = e.producer.is_parameter
+    fw = costs.forward(nbytes, out, q, bucketed, used)
+    if not e.producer.requires_grad:
+        return fw, 0.0, []
+    bw, owed = costs.backward(nbytes, out, q, varying, bucketed, used)
+    return fw, bw, owed
+
+
+def _moved_bytes(costs: Costs, e: _Edge, out: Layout, key: tuple) -> float:
+    """Memory a redistribution allocates: this rank's piece of the value in its new layout."""
+    q = key[0]
+    if out == q:
+        return 0.0
+    return _nbytes(e.producer.value) / math.prod(_factor(p, n) for p, n in zip(q, costs.sizes))
+
+
+def _reduction(costs: Costs, op: Op, layout: Layout, m: int, used: set | None = None) -> float:
+    return costs.reduction(_nbytes(op.value), layout, m, op.is_parameter, used)
+
+
+def _own_cost(s: Strategy, memory_weight: float) -> float:
+    return s.compute_s + memory_weight * s.memory_bytes
+
+
+def solve(ops: list[Op], costs: Costs, *, memory_weight: float = 0.0, memory_budget: float | None = None,
+          time_limit_s: float = 10.0) -> Solution:
+    """The cheapest strategy for every op (exact within the time limit, else greedy)."""
+    start = time.perf_counter()
+    _check_budget(ops, memory_budget)
+    prog = _Program()
+    y: dict[tuple[int, int], int] = {}
+    for i, op in enumerate(ops):
+        for j, s in enumerate(op.strategies):
+            y[i, j] = prog.var(_own_cost(s, memory_weight))
+        prog.row({y[i, j]: 1.0 for j in range(len(op.strategies))}, 1.0, 1.0)
+    index = {id(op): i for i, op in enumerate(ops)}
+    # Activation memory per rank: each op's result, and each redistribution's copy.
+    memory = {y[i, j]: s.memory_bytes for i, op in enumerate(ops) for j, s in enumerate(op.strategies)}
+    owed_vars: dict[tuple[int, Layout, int], int] = {}
+
+    bucket_vars: dict[tuple, int] = {}
+
+    def at_least(var: int, on: dict[int, float]) -> None:
+        """var >= the sum of `on` (binaries of which at most one is set)."""
+        prog.row({var: 1.0, **{v: -c for v, c in on.items()}}, 0.0, np.inf)
+
+    def in_buckets(used: set, on: dict[int, float]) -> None:
+        """Choosing `on` puts collectives in these buckets: each bucket pays its latency once."""
+        for b in used:
+            if b not in bucket_vars:
+                bucket_vars[b] = prog.var(costs.bucket_latency(b))
+            at_least(bucket_vars[b], on)
+
+    def owe(pi: int, out: Layout, m: int, on: dict[int, float]) -> None:
+        """The value `pi` (written as `out`) owes one reduction on mesh dim m when `on` is chosen."""
+        k = (pi, out, m)
+        if k not in owed_vars:
+            used: set = set()
+            owed_vars[k] = prog.var(_reduction(costs, ops[pi], out, m, used), integral=False)
+            in_buckets(used, {owed_vars[k]: 1.0})
+        at_least(owed_vars[k], on)
+
+    for e in _edges(ops):
+        pi, ci = index[id(e.producer)], index[id(e.consumer)]
+        outs = list(dict.fromkeys(s.output for s in e.producer.strategies))
+        keys = list(dict.fromkeys(_key(s, e.slot) for s in e.consumer.strategies))
+        out_vars = {o: {y[pi, j]: 1.0 for j, s in enumerate(e.producer.strategies) if s.output == o} for o in outs}
+        key_vars = {k: {y[ci, j]: 1.0 for j, s in enumerate(e.consumer.strategies) if _key(s, e.slot) == k} for k in keys}
+        pairs: dict[tuple, int] = {}
+        for o, k in itertools.product(outs, keys):
+            used: set = set()
+            fw, bw, owed = _edge_cost(costs, e, o, k, used)
+            moved = _moved_bytes(costs, e, o, k)
+            cost = fw + bw + memory_weight * moved
+            if len(outs) == 1 or len(keys) == 1:
+                # One end has a single choice: the pair is chosen with the other end's binary.
+                on = key_vars[k] if len(outs) == 1 else out_vars[o]
+                for v in on:
+                    prog.cost[v] += cost
+            else:
+                on = {prog.var(cost): 1.0}
+                pairs[o, k] = next(iter(on))
+            for v in on:
+                memory[v] = memory.get(v, 0.0) + moved
+            for m in owed:
+                owe(pi, o, m, on)
+            in_buckets(used, on)
+        if pairs:  # both ends choose: the pair binaries' marginals are the ends' binaries
+            for o in outs:
+                prog.row({**{pairs[o, k]: 1.0 for k in keys}, **{v: -1.0 for v in out_vars[o]}}, 0.0, 0.0)
+            for k in keys:
+                prog.row({**{pairs[o, k]: 1.0 for o in outs}, **{v: -1.0 for v in key_vars[k]}}, 0.0, 0.0)
+    if memory_budget is not None:
+        prog.row(memory, 0.0, memory_budget)
+    result = prog.solve(time_limit_s)
+    if result.x is not None:
+        choice = {op.node: op.strategies[max(range(len(op.strategies)), key=lambda j: result.x[y[i, j]])]
+                  for i, op in enumerate(ops)}
+        status = "optimal" if result.status == 0 else f"time limit ({result.message})"
+        bound = getattr(result, "mip_dual_bound", None)
+        solution = Solution(choice, "milp (scipy HiGHS)", float(result.fun), None if bound is None else float(bound),
+                            status, time.perf_counter() - start)
+    else:
+        if memory_budget is not None and result.status == 2:
+            raise PlanError(_over_budget(ops, memory_budget))
+        choice = greedy(ops, costs, memory_weight)
+        solution = Solution(choice, "greedy", total_cost(ops, costs, choice, memory_weight), None,
+                            f"fallback: {result.message}", time.perf_counter() - start)
+    solution.explain = explain_rows(ops, costs, solution.choice, memory_weight)
+    return solution
+
+
+def _check_budget(ops: list[Op], budget: float | None) -> None:
+    if budget is None:
+        return
+    least = sum(min(s.memory_bytes for s in op.strategies) for op in ops)
+    if least > budget:
+        raise PlanError(_over_budget(ops, budget, least))
+
+
+def _over_budget(ops: list[Op], budget: float, least: float | None = None) -> str:
+    biggest = sorted(ops, key=lambda op: -min(s.memory_bytes for s in op.strategies))[:3]
+    names = ", ".join(f"{op.node.name} ({int(min(s.memory_bytes for s in op.strategies))} B at best)" for op in biggest)
+    need = f"at least {int(least)} B" if least is not None else "more than that"
+    return (f"layout solver: no layout fits memory_budget={int(budget)} B per rank "
+            f"(needs {need}); the largest values are {names}: raise the budget or shard more")
+
+
+def total_cost(ops: list[Op], costs: Costs, choice: dict[fx.Node, Strategy], memory_weight: float) -> float:
+    """The model's cost of a complete choice (what the integer program minimizes)."""
+    total = sum(_own_cost(choice[op.node], memory_weight) for op in ops)
+    owed: set[tuple[fx.Node, int]] = set()
+    used: set = set()
+    for e in _edges(ops):
+        out = choice[e.producer.node].output
+        key = _key(choice[e.consumer.node], e.slot)
+        fw, bw, dims = _edge_cost(costs, e, out, key, used)
+        total += fw + bw + memory_weight * _moved_bytes(costs, e, out, key)
+        owed.update((e.producer.node, m) for m in dims)
+    by_node = {op.node: op for op in ops}
+    total += sum(_reduction(costs, by_node[n], choice[n].output, m, used) for n, m in owed)
+    return total + sum(costs.bucket_latency(b) for b in used)
+
+
+def greedy(ops: list[Op], costs: Costs, memory_weight: float) -> dict[fx.Node, Strategy]:
+    """Each op in graph order takes its cheapest strategy given what its producers chose."""
+    choice: dict[fx.Node, Strategy] = {}
+    by_node = {op.node: op for op in ops}
+    for op in ops:
+        def local(s: Strategy) -> float:
+            cost = _own_cost(s, memory_weight)
+            for i, src in enumerate(op.slots):
+                if src in choice:
+                    edge = _Edge(by_node[src], op, i)
+                    fw, bw, owed = _edge_cost(costs, edge, choice[src].output, _key(s, i))
+                    cost += fw + bw + memory_weight * _moved_bytes(costs, edge, choice[src].output, _key(s, i)) + sum(_reduction(costs, by_node[src], choice[src].output, m) for m in owed)
+            return cost
+        choice[op.node] = min(op.strategies, key=local)
+    return choice
+
+
+# ----------------------------------------------------------------------------- explanations
+
+
+def explain_rows(ops: list[Op], costs: Costs, choice: dict[fx.Node, Strategy], memory_weight: float) -> list[dict[str, Any]]:
+    """Per value: shape, layout, cost terms, and why (a constraint, or the alternative it beat)."""
+    edges = _edges(ops)
+    incoming: dict[fx.Node, list[_Edge]] = {}
+    touching: dict[fx.Node, list[_Edge]] = {}
+    for e in edges:
+        incoming.setdefault(e.consumer.node, []).append(e)
+        touching.setdefault(e.consumer.node, []).append(e)
+        touching.setdefault(e.producer.node, []).append(e)
+
+    def local(op: Op, s: Strategy) -> float:
+        trial = dict(choice)
+        trial[op.node] = s
+        total = _own_cost(s, memory_weight)
+        for e in touching.get(op.node, []):
+            out, key = trial[e.producer.node].output, _key(trial[e.consumer.node], e.slot)
+            fw, bw, owed = _edge_cost(costs, e, out, key)
+            total += fw + bw + memory_weight * _moved_bytes(costs, e, out, key) + sum(_reduction(costs, e.producer, trial[e.producer.node].output, m) for m in owed)
+        return total
+
+    rows = []
+    for op in ops:
+        s = choice[op.node]
+        fw = bw = 0.0
+        for e in incoming.get(op.node, []):
+            f, b, _ = _edge_cost(costs, e, choice[e.producer.node].output, _key(s, e.slot))
+            fw, bw = fw + f, bw + b
+        if op.fixed:
+            why = op.fixed
+        elif len(op.strategies) == 1:
+            why = "the only layout DTensor runs it in without redistributing"
+        else:
+            mine = local(op, s)
+            others = [(local(op, t) - mine, t) for t in op.strategies if t is not s]
+            delta, best = min(others, key=lambda x: x[0])
+            why = (f"beat {layout_text(best.output)} reading {', '.join(map(layout_text, best.inputs))} "
+                   f"by {delta * 1e6:.1f} us ({len(op.strategies)} candidates)")
+        rows.append({
+            "value": op.node.name, "shape": list(op.value.shape), "placement": layout_text(s.output),
+            "reads": [layout_text(l) for l in s.inputs],
+            "compute_us": s.compute_s * 1e6, "forward_comm_us": fw * 1e6, "backward_comm_us": bw * 1e6,
+            "memory_bytes": s.memory_bytes, "why": why,
+        })
+    return rows
