@@ -1,0 +1,226 @@
+"""`torch_hca.timeline.estimate`: one step's compute and communication over time.
+
+Hand-built graphs whose values are meta tensors (shapes only, never run) give
+exact expected times under a cost model where memory is free, so an op costs
+its FLOPs; one graph traced with `make_fx` under the fake process group and
+the compiled Megatron MLP's graphs check the same rules on real backend output.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import sys
+
+import pytest
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import torch_hca as hca
+from torch_hca import zoo
+from torch_hca.collective_kinds import Kind
+from torch_hca.cost_model import CostModel, cost_model
+from torch_hca.timeline import Timeline, estimate
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+WAIT = c10d.wait_tensor.default
+N = 64  # every tensor is N x N float32
+MM_FLOPS = 2 * N**3
+
+# Memory traffic is free, so an op's time is its FLOPs / flops_per_s: easy to predict.
+COSTS = CostModel(launch_s=1e-4, alpha_s=1e-5, bytes_per_s=1e8, flops_per_s=1e9, memory_bytes_per_s=1e30)
+MM_S = MM_FLOPS / COSTS.flops_per_s
+SIZES = {"0": 4, "1": 2, "solo": 1}
+
+
+def comm_s(kind: Kind = Kind.ALL_REDUCE, tensors: int = 1, group: str = "0") -> float:
+    return COSTS.collective_s(kind, tensors * N * N * 4, SIZES[group])
+
+
+def play(*graphs: fx.Graph) -> Timeline:
+    named = [(f"g{i}", fx.GraphModule(torch.nn.Module(), g)) for i, g in enumerate(graphs)]
+    return estimate(named, COSTS, group_size=SIZES.__getitem__)
+
+
+class Builder:
+    """An FX graph whose nodes carry meta-tensor values, as the backend's graphs carry fake ones."""
+
+    def __init__(self):
+        self.g = fx.Graph()
+        self.x = self.node("placeholder", "x")
+
+    def node(self, kind: str, target, args=(), val=None) -> fx.Node:
+        n = self.g.create_node(kind, target, args)
+        n.meta["val"] = torch.empty(N, N, device="meta") if val is None else val
+        return n
+
+    def op(self, target, *args, val=None) -> fx.Node:
+        return self.node("call_function", target, args, val)
+
+    def mms(self, k: int) -> fx.Node:
+        y = self.x
+        for _ in range(k):
+            y = self.op(aten.mm.default, y, self.x)
+        return y
+
+    def all_reduce(self, x: fx.Node, group: str = "0") -> fx.Node:
+        return self.op(c10d.all_reduce.default, x, "sum", group)
+
+    def done(self, *outs: fx.Node) -> fx.Graph:
+        self.g.output(outs)
+        return self.g
+
+
+def close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-12
+
+
+def test_compute_only_exposes_nothing():
+    b = Builder()
+    relu = b.op(aten.relu.default, b.mms(2))
+    view = b.op(aten.t.default, relu)
+    t = play(b.done(view))
+    assert [(e.name, e.lane) for e in t.events] == [("aten.mm", "compute")] * 2 + [("aten.relu", "compute")]
+    assert close(t.events[0].duration_s, MM_S)  # torch's mm formula, 2mnk
+    assert close(t.events[2].duration_s, N * N / COSTS.flops_per_s)  # elementwise: one per output element
+    assert t.exposed_comm_s == 0 and t.comm_s == 0
+    assert close(t.total_s, t.compute_s) and close(t.compute_s, 2 * MM_S + N * N / COSTS.flops_per_s)
+
+
+def test_a_collective_waited_at_once_is_fully_exposed():
+    b = Builder()
+    y = b.mms(1)
+    start = b.all_reduce(y)
+    t = play(b.done(b.op(aten.relu.default, b.op(WAIT, start))))
+    ar = [e for e in t.events if e.lane == "comm:0"]
+    assert [(e.name, e.node) for e in ar] == [("all_reduce", start.name)]
+    assert close(ar[0].start_s, MM_S)  # issued when the mm before it ends
+    assert close(t.comm_s, comm_s()) and close(t.exposed_comm_s, comm_s())
+    relu = t.events[-1]
+    assert relu.name == "aten.relu" and close(relu.start_s, ar[0].end_s)  # the wait held the compute lane
+
+
+@pytest.mark.parametrize("k", [1, 3, 40])  # compute shorter than, and longer than, the collective
+def test_waiting_after_independent_compute_hides_the_overlap(k):
+    b = Builder()
+    ar = b.all_reduce(b.x)
+    busy = b.mms(k)  # does not read the all_reduce
+    w = b.op(WAIT, ar)
+    t = play(b.done(b.op(aten.add.Tensor, w, busy)))
+    hidden = min(comm_s(), k * MM_S)
+    assert close(t.comm_s, comm_s())
+    assert close(t.exposed_comm_s, comm_s() - hidden)
+    assert close(t.total_s, t.compute_s + t.exposed_comm_s)
+
+
+def test_two_groups_run_in_parallel_one_group_in_series():
+    def two(groups):
+        b = Builder()
+        a1, a2 = (b.all_reduce(b.x, g) for g in groups)
+        return play(b.done(b.op(WAIT, a1), b.op(WAIT, a2)))
+
+    parallel = two(["0", "1"])
+    assert {e.lane for e in parallel.events} == {"comm:0", "comm:1"}
+    assert all(close(e.start_s, 0.0) for e in parallel.events)
+    assert close(parallel.total_s, max(comm_s(group="0"), comm_s(group="1")))
+    assert close(parallel.comm_s, comm_s(group="0") + comm_s(group="1"))
+
+    series = two(["0", "0"])
+    first, second = series.events
+    assert close(second.start_s, first.end_s)  # queued behind the first on its lane
+    assert close(series.total_s, 2 * comm_s()) and close(series.exposed_comm_s, 2 * comm_s())
+
+
+def test_a_coalesced_collective_is_one_transfer():
+    b = Builder()
+    y = b.mms(1)
+    pair = b.op(c10d.all_reduce_coalesced.default, [y, b.x], "sum", "0", val=[torch.empty(N, N, device="meta")] * 2)
+    waits = [b.op(WAIT, b.op(operator.getitem, pair, i)) for i in range(2)]
+    t = play(b.done(b.op(aten.add.Tensor, *waits)))
+    comm = [e for e in t.events if e.lane != "compute"]
+    assert [(e.name, e.node) for e in comm] == [("all_reduce (coalesced)", pair.name)]
+    assert close(t.comm_s, comm_s(tensors=2)) and close(t.exposed_comm_s, comm_s(tensors=2))
+    assert close(t.events[-1].start_s, comm[0].end_s)  # both waits resolve to the one transfer
+
+
+def test_graphs_run_one_after_another_and_a_group_of_one_is_free():
+    fw, bw = Builder(), Builder()
+    t = play(fw.done(fw.op(WAIT, fw.all_reduce(fw.mms(1)))), bw.done(bw.op(WAIT, bw.all_reduce(bw.mms(1), "solo"))))
+    assert [(e.graph, e.lane) for e in t.events] == [("g0", "compute"), ("g0", "comm:0"), ("g1", "compute")]
+    assert close(t.events[2].start_s, t.events[1].end_s)  # backward starts when forward's wait returns
+    assert close(t.total_s, 2 * MM_S + comm_s())
+
+
+def test_a_graph_traced_under_the_fake_process_group(fake_pg):
+    group = fake_pg.get_group().group_name
+
+    def step(x, w):
+        h = c10d.all_reduce(x @ w, "sum", group)
+        return c10d.wait_tensor(h).relu()
+
+    gm = make_fx(step, tracing_mode="fake")(torch.randn(8, 16), torch.randn(16, 16))
+    costs = cost_model("gloo")
+    t = estimate([("forward", gm)], costs)  # group size from the live (fake) group: 4
+    assert [e.name for e in t.events] == ["aten.mm", "all_reduce", "aten.relu"]
+    assert close(t.exposed_comm_s, costs.collective_s(Kind.ALL_REDUCE, 8 * 16 * 4, 4))
+    assert close(t.events[0].duration_s, costs.compute_s(2 * 8 * 16 * 16, (8 * 16 + 16 * 16 + 8 * 16) * 4))
+
+
+def test_the_compiled_mlp_graphs(fake_pg):
+    torch.manual_seed(0)
+    c = torch.compile(hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP()), backend="hca")
+    c(torch.randn(8, 16)).sum().backward()
+    r = hca.report(c)
+    t = estimate([("forward", r.forward), ("backward", r.backward)], cost_model("gloo"))
+    comm = [e for e in t.events if e.lane != "compute"]
+    assert len(comm) == len(r.collectives) and comm
+    assert {e.graph for e in t.events} == {"forward", "backward"}
+    assert t.compute_s > 0 and 0 <= t.exposed_comm_s <= t.comm_s + 1e-12
+    assert close(t.total_s, t.compute_s + t.exposed_comm_s)
+
+
+def sample() -> Timeline:
+    b = Builder()
+    ar = b.all_reduce(b.x)
+    return play(b.done(b.op(WAIT, ar), b.op(WAIT, b.all_reduce(b.mms(2), "1"))))
+
+
+def test_chrome_trace_is_valid_json_with_one_thread_per_lane(tmp_path):
+    t = sample()
+    trace = json.loads(json.dumps(t.chrome_trace()))
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == len(t.events)
+    for span, event in zip(spans, t.events):
+        assert {"ph", "ts", "dur", "tid", "name", "pid"} <= span.keys()
+        assert span["name"] == event.name and span["args"]["node"] == event.node
+        assert span["ts"] == pytest.approx(event.start_s * 1e6) and span["dur"] == pytest.approx(event.duration_s * 1e6)
+    threads = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert sorted(threads.values()) == ["comm:0", "comm:1", "compute"]
+    assert {threads[s["tid"]] for s in spans} == {e.lane for e in t.events}
+
+    path = tmp_path / "step.json"
+    t.save_chrome_trace(path)
+    assert json.loads(path.read_text()) == trace
+
+
+def test_summary_names_the_figures():
+    t = sample()
+    text = t.summary()
+    assert "compute" in text and "exposed" in text and "2 collective(s) on 2 group(s)" in text
+
+
+def test_save_png_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib...` fail
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(hca.HCAError, match=r'pip install "torch_hca\[plot\]"'):
+        sample().save_png(tmp_path / "step.png")
+    assert not (tmp_path / "step.png").exists()
+
+
+def test_save_png_writes_an_image(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is the optional [plot] extra; not installed here")
+    path = tmp_path / "step.png"
+    sample().save_png(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

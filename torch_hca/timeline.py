@@ -1,0 +1,246 @@
+"""Estimate one training step over time: compute and communication, from a cost model.
+
+`estimate` plays the graphs the backend emits (local tensors, aten ops,
+`_c10d_functional` collectives) on lanes, one compute lane and one lane per
+process group::
+
+    compute   |relu| mm |            (waits)            | mul |
+    comm:0              |--------- all_reduce ---------|
+                        ^ issued                        ^ wait_tensor returns
+
+The rules (a model, not a measurement; deterministic):
+
+* the graphs run one after another, in the order given, on one clock;
+* the compute lane runs the nodes in graph order; an aten op takes
+  ``costs.compute_s(flops, bytes)``: FLOPs from torch's per-op formulas
+  (`torch.utils.flop_counter.flop_registry`) where it has one, else one per
+  output element; bytes are the tensors it reads plus those it writes, read
+  from ``node.meta["val"]`` (a node without one costs nothing);
+* placeholders, outputs, getitem, views and ops that return no tensor take
+  no time;
+* a collective is issued at the compute lane's current time and takes no
+  compute time; it runs on its group's lane (``"comm:<group name>"``) from
+  ``max(issue time, lane free)`` for ``costs.collective_s(kind, payload, n)``,
+  so one group's collectives run one after another and groups in parallel;
+  a coalesced collective is one transfer of all its tensors;
+* `wait_tensor` holds the compute lane until its collective ends (every
+  getitem of a coalesced collective resolves to that one transfer).
+
+``exposed_comm_s = total_s - compute_s`` is the time compute spends waiting
+on communication: with each wait right after its start (the traced order) it
+is all the communication; issuing early and waiting late hides up to the
+compute in between.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from . import _torch_private
+from .collective_kinds import OPS, WAIT, node_payload
+from .cost_model import CostModel
+from .errors import HCAError
+
+COMPUTE = "compute"
+
+
+@dataclass
+class Event:
+    name: str
+    lane: str  # "compute" or "comm:<group name>"
+    start_s: float
+    end_s: float
+    node: str
+    graph: str
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass
+class Timeline:
+    events: list[Event]
+    total_s: float          # end of the last event
+    compute_s: float        # sum of compute event durations
+    comm_s: float           # sum of communication durations
+    exposed_comm_s: float   # total_s - compute_s: time compute waits on communication
+
+    def lanes(self) -> list[str]:
+        """"compute" first, then the communication lanes in the order they were first used."""
+        comm = [e.lane for e in self.events if e.lane != COMPUTE]
+        return [COMPUTE, *dict.fromkeys(comm)]
+
+    def chrome_trace(self) -> dict:
+        """Chrome trace-event JSON (µs, one thread per lane); opens in Perfetto or chrome://tracing."""
+        tids = {lane: i for i, lane in enumerate(self.lanes())}
+        names = [{"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "torch_hca step estimate"}}]
+        for lane, tid in tids.items():
+            names.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": lane}})
+            names.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": tid, "args": {"sort_index": tid}})
+        spans = [
+            {"name": e.name, "cat": e.graph, "ph": "X", "pid": 0, "tid": tids[e.lane],
+             "ts": e.start_s * 1e6, "dur": e.duration_s * 1e6, "args": {"node": e.node, "graph": e.graph}}
+            for e in self.events
+        ]
+        return {"traceEvents": names + spans, "displayTimeUnit": "ms"}
+
+    def save_chrome_trace(self, path) -> None:
+        Path(path).write_text(json.dumps(self.chrome_trace()))
+
+    def save_png(self, path) -> None:
+        """A Gantt chart of the lanes, coloured by graph (needs matplotlib)."""
+        try:
+            from matplotlib.figure import Figure  # no pyplot: leaves matplotlib's global state alone
+            from matplotlib.patches import Patch
+        except ImportError as e:
+            raise HCAError(
+                'Timeline.save_png draws with matplotlib, which is not installed; pip install "torch_hca[plot]"'
+            ) from e
+        lanes = self.lanes()
+        colours = {g: f"C{i}" for i, g in enumerate(dict.fromkeys(e.graph for e in self.events))}
+        fig = Figure(figsize=(10, 1.5 + 0.5 * len(lanes)))
+        ax = fig.subplots()
+        for row, lane in enumerate(lanes):
+            mine = [e for e in self.events if e.lane == lane]
+            ax.broken_barh([(e.start_s * 1e3, e.duration_s * 1e3) for e in mine], (row - 0.4, 0.8),
+                           facecolors=[colours[e.graph] for e in mine], edgecolor="white", linewidth=0.3)
+        ax.set_yticks(range(len(lanes)), labels=lanes)
+        ax.invert_yaxis()
+        ax.set_xlabel("time (ms)")
+        if len(colours) > 1:
+            ax.legend(handles=[Patch(color=c, label=g) for g, c in colours.items()], loc="upper right", fontsize=8)
+        ax.set_title(self.summary(), fontsize=8, wrap=True)
+        fig.tight_layout()
+        fig.savefig(path)
+
+    def summary(self) -> str:
+        collectives = sum(e.lane != COMPUTE for e in self.events)
+        hidden = max(0.0, 1 - self.exposed_comm_s / self.comm_s) if self.comm_s else 1.0  # no "-0%" from rounding
+        return (
+            f"step ~{_duration(self.total_s)}: compute {_duration(self.compute_s)}, communication "
+            f"{_duration(self.comm_s)} in {collectives} collective(s) on {len(self.lanes()) - 1} group(s), "
+            f"exposed {_duration(self.exposed_comm_s)} ({hidden:.0%} of communication hidden behind compute)"
+        )
+
+
+def _duration(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:.1f} us"
+    return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.3f} s"
+
+
+# ------------------------------------------------------------- op costs
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _is_view(op: torch._ops.OpOverload) -> bool:
+    """Every result aliases an input without writing it: no data moves."""
+    returns = op._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def _flops(op: torch._ops.OpOverload, args, kwargs, out) -> float:
+    formula = flop_registry.get(op.overloadpacket)
+    if formula is not None:
+        try:
+            return float(formula(*args, **kwargs, out_val=out))
+        except (AssertionError, AttributeError, IndexError, TypeError, ValueError, RuntimeError):
+            pass  # a formula that does not fit these arguments: count the op as elementwise
+    return float(sum(t.numel() for t in _tensors(out)))
+
+
+def op_seconds(node: fx.Node, costs: CostModel) -> float:
+    """Compute-lane seconds of one non-collective node (0 for free or unknown ones)."""
+    op = node.target
+    out = node.meta.get("val")
+    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or _is_view(op) or not _tensors(out):
+        return 0.0
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    touched = sum(_nbytes(t) for t in _tensors((args, kwargs))) + sum(_nbytes(t) for t in _tensors(out))
+    return costs.compute_s(_flops(op, args, kwargs, out), float(touched))
+
+
+# ------------------------------------------------------------ the player
+
+def _group_name(node: fx.Node) -> str:
+    info = OPS[node.target]
+    group = node.args[info.group_arg] if len(node.args) > info.group_arg else node.kwargs["group_name"]
+    return str(group)
+
+
+class _Player:
+    """The clocks: the compute lane's time, each group lane's free time, each collective's end."""
+
+    def __init__(self, costs: CostModel, group_size: Callable[[str], int]):
+        self.costs = costs
+        self.group_size = group_size
+        self.sizes: dict[str, int] = {}
+        self.now = 0.0
+        self.lane_free: dict[str, float] = {}
+        self.ends: dict[fx.Node, float] = {}  # collective, or getitem of a coalesced one -> its end
+        self.events: list[Event] = []
+
+    def play(self, graph: str, gm: fx.GraphModule) -> None:
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target in OPS:
+                self.issue(graph, node)
+            elif node.target is WAIT:
+                self.now = max(self.now, self.ends.get(node.args[0], self.now))
+            elif node.target is operator.getitem and node.args[0] in self.ends:
+                self.ends[node] = self.ends[node.args[0]]
+            else:
+                self.compute(graph, node)
+
+    def compute(self, graph: str, node: fx.Node) -> None:
+        seconds = op_seconds(node, self.costs)
+        if seconds > 0:
+            name = str(node.target.overloadpacket)
+            self.events.append(Event(name, COMPUTE, self.now, self.now + seconds, node.name, graph))
+            self.now += seconds
+
+    def issue(self, graph: str, node: fx.Node) -> None:
+        info, group = OPS[node.target], _group_name(node)
+        if group not in self.sizes:
+            self.sizes[group] = self.group_size(group)
+        payload = sum(_nbytes(t) for t in node_payload(node))
+        seconds = self.costs.collective_s(info.kind, payload, self.sizes[group])
+        lane = f"comm:{group}"
+        start = max(self.now, self.lane_free.get(lane, 0.0))
+        self.ends[node] = self.lane_free[lane] = start + seconds
+        if seconds > 0:  # a group of one moves nothing
+            name = info.kind.value + (" (coalesced)" if info.coalesced else "")
+            self.events.append(Event(name, lane, start, start + seconds, node.name, graph))
+
+
+def estimate(
+    graphs: list[tuple[str, fx.GraphModule]],
+    costs: CostModel,
+    group_size: Callable[[str], int] = _torch_private.group_size,
+) -> Timeline:
+    """Play ``[(name, graph), ...]`` (e.g. forward then backward) on the lanes; see the module docstring."""
+    player = _Player(costs, group_size)
+    for name, gm in graphs:
+        player.play(name, gm)
+    events = player.events
+    total = max((e.end_s for e in events), default=0.0)
+    compute = sum(e.duration_s for e in events if e.lane == COMPUTE)
+    comm = sum(e.duration_s for e in events if e.lane != COMPUTE)
+    return Timeline(events, total, compute, comm, max(0.0, total - compute))
