@@ -10,9 +10,11 @@ version records; it does not yet rewrite.
 
 from __future__ import annotations
 
+import operator
+
 import torch.fx as fx
 
-from torch_hca.collective_kinds import OPS, RULES, Kind, node_payload
+from torch_hca.collective_kinds import OPS, RULES, WAIT, Kind, node_payload
 from torch_hca.errors import CheckError
 
 from .infra import PassContext, PassResult
@@ -53,16 +55,24 @@ class TransposePass:
                 bw.meta[RULE] = "cotangent reduction: partial cotangent of a replicated value, P -> R (eager role)"
                 decisions.append(f"{bw.name}: {bw.meta[RULE]}")
                 continue
+            emulated = kind is Kind.ALL_GATHER and _emulates_all_to_all(bw)
             match = next(
                 (fw for fw in reversed(forward)
-                 if PARTNER not in fw.meta and RULES[OPS[fw.target].kind].transpose == kind
-                 and _same_payload(fw, bw)),
+                 if PARTNER not in fw.meta and _same_payload(fw, bw)
+                 and (RULES[OPS[fw.target].kind].transpose == kind and not _emulates_all_to_all(fw)
+                      or emulated and OPS[fw.target].kind is Kind.ALL_GATHER and _emulates_all_to_all(fw))),
                 None,
             )
+            chunk = _local_chunk_of(gm.graph, backward, bw) if match is None and kind is Kind.ALL_GATHER else None
             if match is not None:
                 match.meta[PARTNER], bw.meta[PARTNER] = bw.name, match.name
                 match.meta[RULE] = f"{OPS[match.target].kind.value}; transposed by {bw.name}"
                 bw.meta[RULE] = f"transpose of {match.name} ({OPS[match.target].kind.value})"
+            elif chunk is not None:
+                # R -> S(d) in forward is a local chunk; its transpose is a zero-embed S -> P,
+                # and the replicated input's cotangent must then be summed: together, S -> R.
+                bw.meta[PARTNER] = chunk.name
+                bw.meta[RULE] = f"transpose of local chunk {chunk.name} (R -> S): zero-embed then sum, as one all_gather"
             else:
                 bw.meta[RULE] = "backward collective with no forward partner"
                 if ctx.options.strict:
@@ -80,6 +90,47 @@ class TransposePass:
                 )
                 decisions.append(f"{fw.name}: {fw.meta[RULE]}")
         return PassResult(gm, False, decisions)
+
+
+def _emulates_all_to_all(gather: fx.Node) -> bool:
+    """An all_gather re-cut to this rank's piece of another dim: DTensor's all_to_all on gloo.
+
+    Gloo has no all_to_all, so DTensor moves S(a) -> S(b) as all_gather + split
+    + cat; its transpose S(b) -> S(a) is the same construction.
+    """
+    name = lambda n: getattr(n.target, "__name__", "")
+    # Follow the gathered buffer through split / getitem / cat / clone; a split of which
+    # only one piece is read keeps this rank's shard of another dim: an all_to_all.
+    frontier, seen = list(gather.users), set()
+    while frontier:
+        node = frontier.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if name(node).startswith("split"):
+            pieces = node.meta.get("val")
+            if isinstance(pieces, (list, tuple)) and len(pieces) > 1 and len(node.users) == 1:
+                return True
+        if node.target is WAIT or name(node).startswith(("split", "cat", "clone")) or node.target is operator.getitem:
+            frontier.extend(node.users)
+    return False
+
+
+# Forward ops DTensor uses to take this rank's shard of a replicated value.
+_CHUNKS = {"split", "split_with_sizes", "chunk", "slice", "narrow"}
+
+
+def _local_chunk_of(graph: fx.Graph, backward: set[fx.Node], gather: fx.Node) -> fx.Node | None:
+    """A forward chunk whose piece is the size of what `gather` collects from this rank."""
+    shard = node_payload(gather)[0]
+    for node in graph.nodes:
+        if node in backward or node.op != "call_function" or getattr(node.target, "__name__", "").split(".")[0] not in _CHUNKS:
+            continue
+        vals = node.meta.get("val")
+        vals = vals if isinstance(vals, (list, tuple)) else [vals]
+        if any(getattr(v, "shape", None) == shard.shape for v in vals):
+            return node
+    return None
 
 
 def _same_payload(fw: fx.Node, bw: fx.Node) -> bool:

@@ -219,6 +219,30 @@ class CompileReport:
             ],
         }
 
+    def timeline(self) -> "StepTimelines":
+        """One training step estimated from the cost model, before and after the schedule pass.
+
+        ``.before`` plays the graphs in the order AOTAutograd traced them,
+        ``.after`` in the order the schedule pass emitted (see
+        `torch_hca.timeline` for the model); each has ``exposed_comm_s``,
+        ``chrome_trace()``, ``save_chrome_trace(path)`` and ``save_png(path)``.
+        """
+        from .timeline import estimate
+
+        before, after = [], []
+        for g in self.graphs:
+            for which in ("forward", "backward"):
+                gm = getattr(g, which)
+                if gm is None:
+                    continue
+                after.append((f"graph{g.index}.{which}", gm))
+                before.append((f"graph{g.index}.{which}", g.schedules.get(which, {}).get("before", gm)))
+        if not after:
+            raise HCAError("hca.report(...).timeline(): no forward or backward graph was compiled (inner='dtensor'?)")
+        device = (self.graphs[0].mesh or {}).get("device_type", "cpu")
+        costs = self.graphs[0].options.costs(device)
+        return StepTimelines(estimate(before, costs), estimate(after, costs))
+
     def explain(self) -> str:
         """Why each value has its placement: shape, layout chosen, cost terms, and what it beat."""
         parts = []
@@ -259,6 +283,17 @@ class CompileReport:
             lines = [f"{p['parameter']} {p['placements']} {p['bytes']} bytes" for p in pending]
             parts.append("== gradients left Partial, reduced outside the graphs on first use ==\n" + "\n".join(lines))
         return "\n\n".join(parts)
+
+
+@dataclass
+class StepTimelines:
+    before: Any  # torch_hca.timeline.Timeline
+    after: Any
+
+    def summary(self) -> str:
+        b, a = self.before, self.after
+        return (f"exposed communication {b.exposed_comm_s * 1e6:.1f} us -> {a.exposed_comm_s * 1e6:.1f} us; "
+                f"step {b.total_s * 1e6:.1f} us -> {a.total_s * 1e6:.1f} us (estimated)")
 
 
 def report(compiled: Any = None) -> CompileReport:
