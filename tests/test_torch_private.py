@@ -100,6 +100,17 @@ def test_record_implicit_redistributions(fake_pg):
     assert events == []
 
 
+def test_record_implicit_redistributions_with_list_arguments(fake_pg):
+    # layer_norm's normalized_shape is a list: DTensor indexes its arguments
+    # unflattened, so a flattened reading would report the list's ints as moves.
+    x = distribute_tensor(torch.randn(4, 8, 8), fake_pg, [Shard(2)])
+    w = distribute_tensor(torch.randn(8, 8), fake_pg, [Replicate()])
+    b = distribute_tensor(torch.randn(8, 8), fake_pg, [Replicate()])
+    with tp.record_implicit_redistributions() as events:
+        torch.nn.functional.layer_norm(x, (8, 8), w, b)
+    assert [(e.arg_index, e.dst.placements) for e in events] == [(0, (Replicate(),))], events
+
+
 def test_fake_mode_of(fake_pg):
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -82,12 +82,13 @@ def record_implicit_redistributions() -> Iterator[list[RedistributionEvent]]:
     inner = original.__func__ if isinstance(original, staticmethod) else original
 
     def recording(op_info, suggested_input_schema, *args, **kwargs):
-        try:
-            targets = torch.utils._pytree.tree_leaves(suggested_input_schema.args_schema)
-        except Exception:
-            targets = list(suggested_input_schema.args_schema)
+        # DTensor flattens the arguments only for ops with tensor-list arguments
+        # (args_tree_spec set); otherwise both lists are indexed as they are.
+        schema = suggested_input_schema.args_schema
+        flat = getattr(op_info, "args_tree_spec", None) is not None
+        targets = torch.utils._pytree.tree_leaves(schema) if flat else list(schema)
         for i, src in enumerate(op_info.flat_args_schema):
-            if isinstance(src, DTensorSpec) and i < len(targets) and src != targets[i]:
+            if isinstance(src, DTensorSpec) and i < len(targets) and isinstance(targets[i], DTensorSpec) and src != targets[i]:
                 events.append(RedistributionEvent(suggested_input_schema.op, i, src, targets[i]))
         return inner(op_info, suggested_input_schema, *args, **kwargs)
 
