@@ -17,6 +17,7 @@ explicit (a move inside a composite op) is reported, and is an error under
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 import torch
@@ -98,6 +99,7 @@ class LayoutPass:
             ctx.report.layout = {"solver": f"none (dynamic shapes: {symbolic} has a symbolic size; DTensor's per-op choices kept)"}
             return []
         model = ctx.options.costs(mesh.device_type)
+        start = time.perf_counter()
         try:
             ops = layout_solver.build_ops(gm, mesh, model, _storage_of)
         except UnsupportedError as e:
@@ -106,6 +108,7 @@ class LayoutPass:
             ctx.report.layout = {"solver": f"none ({e}); DTensor's per-op choices kept"}
             return []
         o = ctx.options
+        solution_start = time.perf_counter()
         solution = layout_solver.solve(
             ops, layout_solver.Costs(mesh, model), memory_weight=o.memory_weight,
             memory_budget=None if o.memory_budget is None else o.memory_budget, time_limit_s=o.solver_time_limit_s,
@@ -114,6 +117,7 @@ class LayoutPass:
             "solver": solution.solver, "status": solution.status, "objective_s": solution.objective_s,
             "bound_s": solution.bound_s, "seconds": solution.seconds, "cost_model": model.as_dict(),
             "strategies": sum(len(op.strategies) for op in ops), "values": solution.explain,
+            "probe_seconds": solution_start - start,
         }
         return self._emit(gm, ctx, ops, solution)
 
