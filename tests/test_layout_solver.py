@@ -196,3 +196,12 @@ def test_plan_with_a_budget_finds_megatron_storage(fake_pg):
     assert counts(rep) == ({"all_reduce": 1}, {})
     with pytest.raises(hca.PlanError, match=r"no layout fits memory_budget=60000 B per rank .*fc1_parameters_weight"):
         hca.plan(model, (x,), memory_budget=60_000)
+
+
+def test_language_model_compiles_in_one_graph_without_strided_shards(fake_pg):
+    # A flattened (batch, heads) dim sharded inside is a _StridedShard, which DTensor
+    # cannot always move while tracing: the solver never picks a layout that makes one.
+    model = hca.sharded(zoo.TP_LM)(zoo.TinyLM(vocab=64, dim=128, heads=4, hidden=512, layers=1))
+    rep = compile_and_step(model, torch.randint(0, 64, (8, 64)))
+    assert len(rep.graphs) == 1
+    assert not any("_StridedShard" in str(v["placements"]) for v in rep.graph.values.values())

@@ -199,3 +199,25 @@ def test_group_members(fake_pg):
     assert tp.group_members(world) == [0, 1, 2, 3]
     sub = dist.new_group([0, 2])  # this process is rank 0: a member
     assert tp.group_members(sub.group_name) == [0, 2]
+
+
+def test_profiled_events_keep_tensor_list_shapes_and_memory(fake_pg):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True) as prof:
+        dist.all_reduce(torch.ones(3, 4))
+        kept = torch.empty(1000)
+    events = tp.profiled_events(prof)
+    allreduce = next(e for e in events if e.name == "c10d::allreduce_")
+    assert allreduce.shapes[0] == [[3, 4]] and allreduce.dtypes[0] == "TensorList"
+    assert any(e.name == "[memory]" and e.nbytes == kept.numel() * 4 and e.on_cpu for e in events)
+
+
+def test_ddp_bucket_bytes_hold_every_gradient():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(zoo.DeepMLP(16, 3))
+        model(torch.randn(2, 16)).sum().backward()
+        assert tp.ddp_bucket_bytes(model) == sum(p.numel() * p.element_size() for p in model.parameters())
+    finally:
+        dist.destroy_process_group()

@@ -142,3 +142,40 @@ def group_members(group_name: str) -> list[int]:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return dist.get_process_group_ranks(_resolve_process_group(group_name))
+
+
+@dataclass(frozen=True)
+class ProfiledEvent:
+    """One event of a finished profile: an op and its arguments, or a memory event."""
+
+    name: str
+    start_ns: int
+    shapes: tuple  # per argument: a shape, or for a tensor list a list of shapes
+    dtypes: tuple  # per argument: the C++ scalar type name; "TensorList" for a tensor list
+    nbytes: int    # "[memory]" events: bytes allocated (negative: freed); 0 otherwise
+    on_cpu: bool
+
+
+def profiled_events(prof) -> list[ProfiledEvent]:
+    """Every event a finished `torch.profiler.profile` recorded, tensor-list shapes included.
+
+    The public ``prof.events()`` records a tensor-list argument (what the c10d
+    ops take) as shape ``[]`` and folds memory events into the ops around them;
+    the kineto results behind it keep both.
+    """
+    from torch.autograd import DeviceType
+
+    out = []
+    for e in prof.profiler.kineto_results.events():
+        memory = e.name() == "[memory]"
+        out.append(ProfiledEvent(
+            e.name(), e.start_ns(), tuple(e.structured_input_shapes()), tuple(e.dtypes()),
+            e.nbytes() if memory else 0, e.device_type() == DeviceType.CPU,
+        ))
+    return out
+
+
+def ddp_bucket_bytes(ddp) -> int:
+    """Bytes of a `DistributedDataParallel` module's gradient buckets (they live across steps)."""
+    sizes = ddp._get_ddp_logging_data().get("bucket_sizes", "")
+    return sum(int(s) for s in str(sizes).split(",") if s.strip())

@@ -280,7 +280,10 @@ def probe(gm: fx.GraphModule, node: fx.Node, slots: list[fx.Node], layouts: tupl
     try:
         with record_implicit_redistributions() as events:
             out = _call(gm, node, args, kwargs)
-        if not events and isinstance(out, DTensor):
+        # Only plain Shard / Replicate / Partial results: DTensor cannot always move a
+        # _StridedShard (a flattened dim whose inner part is sharded) while tracing,
+        # and its view rules mislabel some (tests/test_op_families.py, KNOWN_WRONG).
+        if not events and isinstance(out, DTensor) and all(type(p) in (Shard, Replicate, Partial) for p in out.placements):
             result = tuple(out.placements)
     except Exception:  # a combination DTensor has no rule for
         result = None

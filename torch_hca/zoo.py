@@ -81,3 +81,39 @@ class DeepMLP(nn.Module):
 def two_d(plan: dict) -> dict:
     """A 1-D tensor-parallel plan lifted to a (dp, tp) mesh: replicated over dp."""
     return {k: (Replicate(), v) for k, v in plan.items()}
+
+
+class TinyLM(nn.Module):
+    """A small decoder-only language model: token embedding, `layers` pre-norm
+    `TransformerBlock`s, a final LayerNorm and a linear LM head.
+
+    ``forward(ids)`` maps token ids ``[batch, seq]`` to next-token logits
+    ``[batch, seq, vocab]``; causal attention is the only position signal
+    (no positional embedding). Train it with `lm_loss`.
+    """
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, hidden: int = 64, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(TransformerBlock(dim, heads, hidden) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of each position's logits against the next token."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+# Every block as TP_BLOCK; embedding, norms and LM head replicated.
+TP_LM = {f"blocks.*.{name}": placement for name, placement in TP_BLOCK.items()}
+
+# FSDP-style storage: every parameter split on its first dimension (use with
+# a batch split the same way, `inputs=Shard(0)`).
+FSDP_PLAN = {"*": Shard(0)}
