@@ -41,6 +41,8 @@ TWO_D = lambda ws: ((ws // 2, 2), ("dp", "tp"))
 CASES = {
     "mlp": Case(zoo.MLP, zoo.MEGATRON_MLP, ONE_D, Replicate(), Replicate(), (8, 16)),
     "dp": Case(lambda: zoo.DeepMLP(16, 4), {}, lambda ws: ((ws,), ("dp",)), Shard(0), Shard(0), (8, 16)),
+    # 12 layers, 24 parameter tensors: the data-parallel bucketing case (tests/test_schedule_pass.py).
+    "dp12": Case(lambda: zoo.DeepMLP(16, 12), {}, lambda ws: ((ws,), ("dp",)), Shard(0), Shard(0), (8, 16)),
     "dp_deferred": Case(lambda: zoo.DeepMLP(16, 4), {}, lambda ws: ((ws,), ("dp",)), Shard(0), Shard(0), (8, 16), "deferred"),
     "2d": Case(zoo.MLP, zoo.two_d(zoo.MEGATRON_MLP), TWO_D, (Shard(0), Replicate()), (Shard(0), Replicate()), (8, 16)),
     "block": Case(zoo.TransformerBlock, zoo.TP_BLOCK, ONE_D, Replicate(), Replicate(), (2, 6, 16)),
@@ -116,6 +118,10 @@ def parity(case_name: str, steps: int = 3, options: dict | None = None) -> dict[
     result["backward"] = rep.collective_counts("backward")
     result["bytes"] = {
         d: sum(c.bytes for c in rep.collectives if c.direction == d) for d in ("forward", "backward")
+    }
+    result["buckets"] = {  # (collectives merged, bytes) per bucket the schedule pass made
+        d: [(len(b["members"]), b["bytes"]) for g in rep.graphs for b in g.schedules.get(d, {}).get("buckets", [])]
+        for d in ("forward", "backward")
     }
     result["implicit"] = [m for g in rep.graphs for m in g.implicit_redistributions]
     result["graphs"] = len(rep.graphs)

@@ -21,15 +21,17 @@ EXPECTED = {
     # Megatron: one all-reduce after the row-parallel fc2; nothing in backward
     # (the input needs no gradient, the weights' gradients are local).
     "mlp": ({"all_reduce": 1}, {}),
-    # Data parallel, eager gradient role (the default): one all-reduce per
-    # replicated parameter (4 layers x weight and bias) inside the backward graph.
-    "dp": ({}, {"all_reduce": 8}),
+    # Data parallel, eager gradient role (the default): the 8 replicated parameters'
+    # gradient all-reduces (4 layers x weight and bias) inside the backward graph,
+    # merged by the schedule pass into one bucket (4352 bytes, under the 25 MiB cap).
+    "dp": ({}, {"all_reduce": 1}),
     # The deferred role: nothing in the graphs; the gradients leave them Partial.
     "dp_deferred": ({}, {}),
     # (dp, tp) mesh (world // 2, 2): the tp all-reduce of fc2 in forward; in
-    # backward one dp all-reduce per parameter (eager role); at world size 2 the
-    # dp group has one rank and those reductions disappear.
-    "2d": ({"all_reduce": 1}, {"all_reduce": 4}),
+    # backward the dp all-reduces of the parameters' gradients (eager role), all four
+    # merged by the schedule pass into one bucket; at world size 2 the dp group has
+    # one rank and those reductions disappear.
+    "2d": ({"all_reduce": 1}, {"all_reduce": 1}),
     # Attention and MLP each: one all-reduce forward, one cotangent reduction backward.
     "block": ({"all_reduce": 2}, {"all_reduce": 2}),
 }
