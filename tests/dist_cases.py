@@ -39,13 +39,15 @@ ONE_D = lambda ws: ((ws,), ("tp",))
 TWO_D = lambda ws: ((ws // 2, 2), ("dp", "tp"))
 
 CASES = {
-    "mlp": Case(zoo.MLP, zoo.MEGATRON_MLP, ONE_D, Replicate(), Replicate(), (8, 16)),
+    # Weights much larger than a microbatch's activations, as in real tensor parallelism:
+    # the layout solver's optimum is then Megatron (with tiny weights it gathers them).
+    "mlp": Case(lambda: zoo.MLP(64, 256), zoo.MEGATRON_MLP, ONE_D, Replicate(), Replicate(), (8, 64)),
     "dp": Case(lambda: zoo.DeepMLP(16, 4), {}, lambda ws: ((ws,), ("dp",)), Shard(0), Shard(0), (8, 16)),
     # 12 layers, 24 parameter tensors: the data-parallel bucketing case (tests/test_schedule_pass.py).
     "dp12": Case(lambda: zoo.DeepMLP(16, 12), {}, lambda ws: ((ws,), ("dp",)), Shard(0), Shard(0), (8, 16)),
     "dp_deferred": Case(lambda: zoo.DeepMLP(16, 4), {}, lambda ws: ((ws,), ("dp",)), Shard(0), Shard(0), (8, 16), "deferred"),
-    "2d": Case(zoo.MLP, zoo.two_d(zoo.MEGATRON_MLP), TWO_D, (Shard(0), Replicate()), (Shard(0), Replicate()), (8, 16)),
-    "block": Case(zoo.TransformerBlock, zoo.TP_BLOCK, ONE_D, Replicate(), Replicate(), (2, 6, 16)),
+    "2d": Case(lambda: zoo.MLP(64, 256), zoo.two_d(zoo.MEGATRON_MLP), TWO_D, (Shard(0), Replicate()), (Shard(0), Replicate()), (8, 64)),
+    "block": Case(lambda: zoo.TransformerBlock(128, 4, 512), zoo.TP_BLOCK, ONE_D, Replicate(), Replicate(), (2, 6, 128)),
 }
 
 

@@ -106,8 +106,9 @@ class FakePGTestCase(expecttest.TestCase):
 class TestGolden(FakePGTestCase):
     def mlp_report(self) -> hca.CompileReport:
         torch.manual_seed(0)
-        model = hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP())
-        return self.compile_and_step(model, torch.randn(8, 16))
+        # Weights large enough that the layout solver picks Megatron (docs/layout.md).
+        model = hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP(64, 256))
+        return self.compile_and_step(model, torch.randn(8, 64))
 
     def test_normalize(self):
         code = (
@@ -172,8 +173,8 @@ def forward(
     primals_9,
     primals_10,
 ):
-    view = torch.ops.aten.view.default(primals_9, [16])
-    view_1 = torch.ops.aten.view.default(primals_1, [8, 16])
+    view = torch.ops.aten.view.default(primals_9, [64])
+    view_1 = torch.ops.aten.view.default(primals_1, [8, 64])
     t = torch.ops.aten.t.default(primals_3)
     addmm = torch.ops.aten.addmm.default(primals_5, view_1, t)
     gelu = torch.ops.aten.gelu.default(addmm)
@@ -182,7 +183,7 @@ def forward(
     addmm_1 = torch.ops.aten.addmm.default(div, gelu, t_1)
     all_reduce = torch.ops._c10d_functional.all_reduce.default(addmm_1, 'sum', '0')
     wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_reduce)
-    view_2 = torch.ops.aten.view.default(wait_tensor, [8, 16])
+    view_2 = torch.ops.aten.view.default(wait_tensor, [8, 64])
     return (view_2, view_1, addmm, gelu, t_1, primals_2)""")
 
     def test_mlp_backward_graph(self):
@@ -197,21 +198,21 @@ def forward(
     primals_2,
     tangents_1,
 ):
-    view_3 = torch.ops.aten.view.default(tangents_1, [8, 16])
+    view_3 = torch.ops.aten.view.default(tangents_1, [8, 64])
     t_2 = torch.ops.aten.t.default(t_1)
     mm = torch.ops.aten.mm.default(view_3, t_2)
     t_3 = torch.ops.aten.t.default(view_3)
     mm_1 = torch.ops.aten.mm.default(t_3, gelu)
     t_4 = torch.ops.aten.t.default(mm_1)
     sum_1 = torch.ops.aten.sum.dim_IntList(view_3, [0], True)
-    view_4 = torch.ops.aten.view.default(sum_1, [16])
+    view_4 = torch.ops.aten.view.default(sum_1, [64])
     t_5 = torch.ops.aten.t.default(t_4)
     gelu_backward = torch.ops.aten.gelu_backward.default(mm, addmm)
     t_6 = torch.ops.aten.t.default(gelu_backward)
     mm_2 = torch.ops.aten.mm.default(t_6, view_1)
     t_7 = torch.ops.aten.t.default(mm_2)
     sum_2 = torch.ops.aten.sum.dim_IntList(gelu_backward, [0], True)
-    view_5 = torch.ops.aten.view.default(sum_2, [8])
+    view_5 = torch.ops.aten.view.default(sum_2, [64])
     t_8 = torch.ops.aten.t.default(t_7)
     return (None, None, t_8, primals_2, view_5, primals_2, t_5, primals_2, view_4, primals_2)""")
 
@@ -219,14 +220,14 @@ def forward(
         r = self.mlp_report()
         self.assertExpectedInline(normalize_table(r.table()), """\
 graph  dir  kind        group  n  shape  dtype    bytes  wire/rank  partner  rule
-#      for  all_reduce  0      4  8x16   float32  512    768        -        P -> R; its transpose R -> P needs no communication""")
+#      for  all_reduce  0      4  8x64   float32  2048   3072       -        P -> R; its transpose R -> P needs no communication""")
         self.assertEqual(r.collective_counts("forward"), {"all_reduce": 1})
         self.assertEqual(r.collective_counts("backward"), {})
 
     def test_transformer_block_dtensor_program(self):
         torch.manual_seed(0)
-        model = hca.sharded(zoo.TP_BLOCK)(zoo.TransformerBlock())
-        r = self.compile_and_step(model, torch.randn(2, 6, 16))
+        model = hca.sharded(zoo.TP_BLOCK)(zoo.TransformerBlock(128, 4, 512))
+        r = self.compile_and_step(model, torch.randn(2, 6, 128))
         self.assertExpectedInline(normalize(r.dtensor_code), """\
 def forward(
     self,
@@ -265,25 +266,25 @@ def forward(
     l_self_modules_mlp_modules_fc2_parameters_bias_ = L_self_modules_mlp_modules_fc2_parameters_bias_
     reduce_gradient_eagerly_4 = torch_hca_dtensor_ops_reduce_gradient_eagerly(l_self_modules_mlp_modules_fc2_parameters_bias_)
     from_local = torch.distributed.tensor._api.from_local(l_args_0_, l_self_hca_spec_mesh, (Replicate(),), run_check = False)
-    layer_norm = torch.nn.functional.layer_norm(from_local, (16,), reduce_gradient_eagerly, reduce_gradient_eagerly_1, 1e-05)
+    layer_norm = torch.nn.functional.layer_norm(from_local, (128,), reduce_gradient_eagerly, reduce_gradient_eagerly_1, 1e-05)
     linear = torch._C._nn.linear(layer_norm, l_self_modules_attn_modules_wq_parameters_weight_, None)
-    view = linear.view(2, 6, 4, 4)
+    view = linear.view(2, 6, 4, 32)
     q = view.transpose(1, 2)
     linear_1 = torch._C._nn.linear(layer_norm, l_self_modules_attn_modules_wk_parameters_weight_, None)
-    view_1 = linear_1.view(2, 6, 4, 4)
+    view_1 = linear_1.view(2, 6, 4, 32)
     k = view_1.transpose(1, 2)
     linear_2 = torch._C._nn.linear(layer_norm, l_self_modules_attn_modules_wv_parameters_weight_, None)
-    view_2 = linear_2.view(2, 6, 4, 4)
+    view_2 = linear_2.view(2, 6, 4, 32)
     v = view_2.transpose(1, 2)
     transpose_3 = q.transpose(0, 1)
-    reshape = transpose_3.reshape(8, 6, 4)
+    reshape = transpose_3.reshape(8, 6, 32)
     transpose_4 = k.transpose(0, 1)
-    reshape_1 = transpose_4.reshape(8, 6, 4)
+    reshape_1 = transpose_4.reshape(8, 6, 32)
     transpose_5 = v.transpose(0, 1)
-    reshape_2 = transpose_5.reshape(8, 6, 4)
+    reshape_2 = transpose_5.reshape(8, 6, 32)
     transpose_6 = reshape_1.transpose(-2, -1)
     bmm = torch.bmm(reshape, transpose_6)
-    scores = bmm * 0.5
+    scores = bmm * 0.17677669529663687
     ones = torch.ones(6, 6, dtype = torch.bool)
     keep = ones.tril()
     getattr_1 = scores.device_mesh
@@ -293,15 +294,15 @@ def forward(
     scores_1 = scores.masked_fill(invert, -inf)
     probs = torch.softmax(scores_1, dim = -1)
     out = torch.bmm(probs, reshape_2)
-    view_3 = out.view(4, 2, 6, 4)
+    view_3 = out.view(4, 2, 6, 32)
     y = view_3.transpose(0, 1)
     transpose_8 = y.transpose(1, 2)
-    reshape_3 = transpose_8.reshape(2, 6, 16)
+    reshape_3 = transpose_8.reshape(2, 6, 128)
     linear_3 = torch._C._nn.linear(reshape_3, l_self_modules_attn_modules_wo_parameters_weight_, None)
     redistribute_1 = torch_hca_dtensor_ops_redistribute(from_local, (Partial('sum'),))
     x = redistribute_1.add(linear_3)
     redistribute_2 = torch_hca_dtensor_ops_redistribute(x, (Replicate(),))
-    layer_norm_1 = torch.nn.functional.layer_norm(redistribute_2, (16,), reduce_gradient_eagerly_2, reduce_gradient_eagerly_3, 1e-05)
+    layer_norm_1 = torch.nn.functional.layer_norm(redistribute_2, (128,), reduce_gradient_eagerly_2, reduce_gradient_eagerly_3, 1e-05)
     linear_4 = torch._C._nn.linear(layer_norm_1, l_self_modules_mlp_modules_fc1_parameters_weight_, l_self_modules_mlp_modules_fc1_parameters_bias_)
     gelu = torch._C._nn.gelu(linear_4)
     redistribute_3 = torch_hca_dtensor_ops_redistribute(reduce_gradient_eagerly_4, (Partial('sum'),))

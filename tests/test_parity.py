@@ -40,18 +40,18 @@ EXPECTED = {
 def expected_bytes(case: str, world_size: int) -> dict[str, int]:
     """Payload bytes (the full buffer each collective reduces), fp32."""
     f32 = 4
-    if case == "mlp":  # the [8, 16] output of fc2
-        return {"forward": 8 * 16 * f32, "backward": 0}
+    if case == "mlp":  # the [8, 64] output of fc2
+        return {"forward": 8 * 64 * f32, "backward": 0}
     if case == "dp":  # every parameter's gradient: 4 x ([16, 16] + [16])
         return {"forward": 0, "backward": 4 * (16 * 16 + 16) * f32}
     if case == "dp_deferred":
         return {"forward": 0, "backward": 0}
-    if case == "2d":  # this dp rank's [8 / dp, 16] output; the tp-local gradients over dp
+    if case == "2d":  # this dp rank's [8 / dp, 64] output; the tp-local gradients over dp
         dp = world_size // 2
-        local_grads = (16 * 16 + 16 + 16 * 16 + 16) * f32  # fc1.w/b halves, fc2.w half, fc2.b
-        return {"forward": 8 // dp * 16 * f32, "backward": local_grads if dp > 1 else 0}
-    # block: attention and MLP outputs [2, 6, 16], forward and backward
-    return {"forward": 2 * 2 * 6 * 16 * f32, "backward": 2 * 2 * 6 * 16 * f32}
+        local_grads = (128 * 64 + 128 + 64 * 128 + 64) * f32  # fc1.w/b halves, fc2.w half, fc2.b
+        return {"forward": 8 // dp * 64 * f32, "backward": local_grads if dp > 1 else 0}
+    # block: attention and MLP outputs [2, 6, 128], forward and backward
+    return {"forward": 2 * 2 * 6 * 128 * f32, "backward": 2 * 2 * 6 * 128 * f32}
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -64,15 +64,15 @@ def test_accepts_a_well_ordered_chain():
 
 def test_accepts_the_compiled_mlp_graphs(fake_pg):
     torch.manual_seed(0)
-    m = hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP())
+    m = hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP(64, 256))
     c = torch.compile(m, backend="hca")
-    c(torch.randn(8, 16)).sum().backward()
+    c(torch.randn(8, 64)).sum().backward()
     r = hca.report(c)
 
     fw = check_order(r.forward, "forward")
     bw = check_order(r.backward, "backward")
     group = str(fake_pg.get_group().group_name)
-    assert fw.per_group == {group: ["all_reduce:torch.float32:(8, 16)"]}
+    assert fw.per_group == {group: ["all_reduce:torch.float32:(8, 64)"]}
     assert bw.per_group == {}
     # The schedule pass ran the same checker: same answer, recorded in the report.
     assert r.graph.schedules["forward"]["fingerprint"] == fw.fingerprint

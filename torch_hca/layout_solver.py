@@ -216,8 +216,9 @@ def candidate_layouts(value: DTensor, mesh: DeviceMesh, storage: Layout | None) 
         options = [(p, Replicate(), Partial()) if isinstance(p, Shard) else (p, Partial()) for p in storage]
         return list(dict.fromkeys(itertools.product(*options)))
     shape = value.shape
+    # On a mesh dim of one rank every placement holds the same data: read it replicated.
     per_dim = [[Replicate(), Partial()] + [Shard(d) for d in range(len(shape)) if _divides(shape[d], n)]
-               for n in mesh.shape]
+               if n > 1 else [Replicate()] for n in mesh.shape]
     layouts = []
     for layout in itertools.product(*per_dim):
         ways = {}
