@@ -191,9 +191,9 @@ def inference_and_batch_sizes(case_name: str, dynamic: bool | None) -> dict[str,
 
 def inner(name: str) -> dict[str, Any]:
     """One training step of the transformer block under options={"inner": name}."""
-    _, ref, model, compiled = setup(CASES["mlp" if name == "inductor" else "block"], {"inner": name})
-    shape = (8, 16) if name == "inductor" else (2, 6, 16)
-    x = torch.randn(shape)
+    case = CASES["mlp" if name == "inductor" else "block"]
+    _, ref, model, compiled = setup(case, {"inner": name})
+    x = torch.randn(case.x_shape)
     out = compiled(x)
     loss_of(out).backward()
     loss_of(ref(x)).backward()
