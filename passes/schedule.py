@@ -28,7 +28,7 @@ report records, per graph: ``order``, ``per_group`` and ``fingerprint`` (the
 checker's), ``before`` (a copy of the graph as traced, for the timeline),
 ``buckets`` and ``moved``.
 
-The options, with defaults: ``schedule=True``, ``bucket_cap_mb=25`` (MiB of
+The options, with defaults: ``schedule=True``, ``bucket_cap_mb=None`` (from the cost model: see `CostModel.bucket_cap_bytes`; MiB of
 payload per bucket, 0: no buckets), ``max_in_flight_mb=64``. See
 docs/scheduling.md.
 
@@ -54,6 +54,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from torch_hca._torch_private import group_size
 from torch_hca.collective_kinds import OPS, WAIT, node_payload
 from torch_hca.errors import CheckError
 from torch_hca.schedule_check import ScheduleSummary, check_reorder
@@ -93,7 +94,7 @@ class SchedulePass:
         moved = {"starts_earlier": 0, "waits_later": 0, "waits_forced": 0}
         bucketed, reordered = before, False
         if opts.schedule:
-            buckets = bucket_collectives(gm.graph, self.which, opts.bucket_cap_mb * MB)
+            buckets = bucket_collectives(gm.graph, self.which, _bucket_cap(gm, ctx))
             bucketed = copy.deepcopy(gm) if buckets else before
             traced = list(gm.graph.nodes)
             order, forced = plan_order(gm.graph, opts.max_in_flight_mb * MB)
@@ -114,6 +115,16 @@ class SchedulePass:
         decisions.append(f"{ctx.report.schedules[self.which]['order']}; moved {moved}; "
                          f"fingerprint {summary.fingerprint}")
         return PassResult(gm, bool(buckets) or reordered, decisions)
+
+
+def _bucket_cap(gm: fx.GraphModule, ctx: PassContext) -> float:
+    """Bytes per bucket: the option, or the cost model's choice for the largest group here."""
+    if ctx.options.bucket_cap_mb is not None:
+        return ctx.options.bucket_cap_mb * MB
+    sizes = [group_size(str(n.args[OPS[n.target].group_arg])) for n in gm.graph.nodes
+             if n.op == "call_function" and n.target in OPS]
+    device = (ctx.report.mesh or {}).get("device_type", "cpu")
+    return ctx.options.costs(device).bucket_cap_bytes(max(sizes, default=1))
 
 
 # ---------------------------------------------------------------- the model
