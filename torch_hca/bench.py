@@ -83,7 +83,9 @@ def specs(tiny: bool = False) -> dict[str, Spec]:
         "lm": Spec("lm", "tp", lambda: zoo.TinyLM(**lm), zoo.TP_LM,
                    lambda g: torch.randint(0, lm["vocab"], (bs, seq), generator=g), zoo.lm_loss),
         "dp": Spec("dp", "dp", lambda: zoo.DeepMLP(d, 12), {}, _randn(2 * b, d)),
-        "fsdp": Spec("fsdp", "fsdp", lambda: zoo.DeepMLP(d, 12), zoo.FSDP_PLAN, _randn(2 * b, d)),
+        # A batch larger than a layer's weights, so gathering the weights (FSDP) is the
+        # cheaper layout; with fewer rows the layout solver gathers activations instead.
+        "fsdp": Spec("fsdp", "fsdp", lambda: zoo.DeepMLP(d, 12), zoo.FSDP_PLAN, _randn(16 * b, d)),
     }
 
 
