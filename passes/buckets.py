@@ -202,15 +202,19 @@ class _Builder:
         return self(aten.clone.default, x, memory_format=torch.contiguous_format)
 
 
+def _split_back(b: _Builder, coll: fx.Node, sizes: list[int], members: list[Member]) -> list[fx.Node]:
+    """The bucket's waited result cut into the members' results, each in its own shape."""
+    parts = b(aten.split_with_sizes.default, b(WAIT, coll), sizes)
+    return [b(aten.view.default, b(operator.getitem, parts, i), list(m.wait.meta["val"].shape))
+            for i, m in enumerate(members)]
+
+
 def _merge_all_reduce(b: _Builder, members: list[Member]) -> tuple[fx.Node, list[fx.Node]]:
     first = members[0].coll
     flat = [b(aten.view.default, b.contiguous(m.coll.args[0]), [-1]) for m in members]
     cat = b(aten.cat.default, flat)
     coll = b(first.target, cat, *first.args[1:], name="bucket_all_reduce")
-    parts = b(aten.split_with_sizes.default, b(WAIT, coll), [f.meta["val"].numel() for f in flat])
-    outs = [b(aten.view.default, b(operator.getitem, parts, i), list(m.wait.meta["val"].shape))
-            for i, m in enumerate(members)]
-    return coll, outs
+    return coll, _split_back(b, coll, [f.meta["val"].numel() for f in flat], members)
 
 
 def _merge_reduce_scatter(b: _Builder, members: list[Member]) -> tuple[fx.Node, list[fx.Node]]:
@@ -219,11 +223,7 @@ def _merge_reduce_scatter(b: _Builder, members: list[Member]) -> tuple[fx.Node, 
     rows = [b(aten.view.default, b.contiguous(m.coll.args[0]), [n, -1]) for m in members]
     cat = b(aten.view.default, b(aten.cat.default, rows, 1), [-1])
     coll = b(first.target, cat, *first.args[1:], name="bucket_reduce_scatter")
-    sizes = [r.meta["val"].shape[1] for r in rows]
-    parts = b(aten.split_with_sizes.default, b(WAIT, coll), sizes)
-    outs = [b(aten.view.default, b(operator.getitem, parts, i), list(m.wait.meta["val"].shape))
-            for i, m in enumerate(members)]
-    return coll, outs
+    return coll, _split_back(b, coll, [r.meta["val"].shape[1] for r in rows], members)
 
 
 def _merge_all_gather(b: _Builder, members: list[Member]) -> tuple[fx.Node, list[fx.Node]]:
