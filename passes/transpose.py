@@ -122,7 +122,9 @@ _CHUNKS = {"split", "split_with_sizes", "chunk", "slice", "narrow"}
 
 def _local_chunk_of(graph: fx.Graph, backward: set[fx.Node], gather: fx.Node) -> fx.Node | None:
     """A forward chunk whose piece is the size of what `gather` collects from this rank."""
-    shard = node_payload(gather)[0]
+    shard = gather.args[0].meta.get("val") if isinstance(gather.args[0], fx.Node) else None
+    if shard is None:
+        return None
     for node in graph.nodes:
         if node in backward or node.op != "call_function" or getattr(node.target, "__name__", "").split(".")[0] not in _CHUNKS:
             continue

@@ -105,7 +105,7 @@ def test_fsdp_storage_gathers_activations_when_weights_are_big(fake_pg):
     assert gathered and all(c.bytes < weights for c in gathered), [c.bytes for c in gathered]
 
 
-def test_two_d_mesh(fake_pg):
+def _two_d_mlp(**options):
     torch.distributed.destroy_process_group()
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torch_hca.mesh import reset_current_mesh
@@ -115,11 +115,26 @@ def test_two_d_mesh(fake_pg):
     hca.init_mesh((2, 2), ("dp", "tp"))
     layout = (Shard(0), Replicate())
     model = hca.sharded(zoo.two_d(zoo.MEGATRON_MLP), inputs=layout, outputs=layout)(zoo.MLP(64, 256))
-    rep = compile_and_step(model, torch.randn(4, 64))
+    return compile_and_step(model, torch.randn(4, 64), **options)
+
+
+def test_two_d_mesh(fake_pg):
+    rep = _two_d_mlp()
     fw, bw = counts(rep)
     assert fw == {"all_reduce": 1} and bw == {"all_reduce": 4}
     groups = {c.direction: c.group for c in rep.collectives}
     assert groups["forward"] != groups["backward"]  # tp in forward, dp in backward
+
+
+def test_two_d_mesh_with_cheaper_compute_gathers_the_batch(fake_pg):
+    # Five times the default compute rate (what one core's sgemm reaches here): replicating
+    # the small MLP's work over dp now beats reducing its gradients. The batch is gathered
+    # over dp, and the output's tp all-reduce runs on this rank's dp chunk only. In
+    # backward the chunk's transpose is an all-gather, paired by the transpose pass (strict).
+    rep = _two_d_mlp(cost_model={"flops_per_s": 100e9})
+    assert counts(rep) == ({"all_gather": 1, "all_reduce": 1}, {"all_gather": 1})
+    (back,) = [c for c in rep.collectives if c.direction == "backward"]
+    assert back.rule.startswith("transpose of local chunk")
 
 
 def test_explain_names_every_value_and_why(fake_pg):
