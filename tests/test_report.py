@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import weakref
 
-import pytest
 import torch
 
 import torch_hca as hca

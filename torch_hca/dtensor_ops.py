@@ -44,7 +44,7 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
         # Heads first, then one flat batch of (head, batch) pairs for bmm: DTensor
         # can flatten (sharded heads, batch) under a symbolic batch size, but not
         # the (batch, sharded heads) that matmul's own broadcasting flattens.
-        h, b, lq, lk = q.size(1), q.size(0), q.size(2), k.size(2)
+        h, b, lq = q.size(1), q.size(0), q.size(2)
         flat = lambda t: t.transpose(0, 1).reshape(h * b, t.size(2), t.size(3))
         out = _attention(flat(q), flat(k), flat(v), attn_mask, is_causal, scale)
         return out.view(h, b, lq, v.size(3)).transpose(0, 1)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 from torch.utils.weak import WeakIdKeyDictionary
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 

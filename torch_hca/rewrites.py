@@ -8,7 +8,6 @@ eager module behaves the same.
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
