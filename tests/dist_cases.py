@@ -324,3 +324,13 @@ def divergent_batch_sizes() -> dict[str, Any]:
     x = torch.randn(8 if dist.get_rank() == 0 else 6, 16)
     compiled(x)
     return {}
+
+
+def calibrated() -> dict[str, Any]:
+    """hca.calibrate() on this rank, and whether the backend accepts its figures."""
+    from torch_hca.options import Options
+
+    hca.init_mesh()
+    figures = hca.calibrate(repeats=3)
+    Options.parse({"cost_model": figures})  # raises if a figure is not acceptable
+    return figures

@@ -20,6 +20,7 @@ from .launch import LocalWorld, launch, run
 from .mesh import current_mesh, init_mesh
 from .plan import sharded
 from .autoplan import plan
+from .calibrate import calibrate
 from .report import CompileReport, report
 
 __version__ = "0.1.0"
@@ -27,5 +28,5 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckError", "CollectiveError", "CompileReport", "HCAError", "LocalWorld", "MeshError", "OptionsError",
     "Partial", "PlacementError", "PlanError", "RankError", "Replicate", "RoleError", "Shard",
-    "UnsupportedError", "collectives", "current_mesh", "init_mesh", "launch", "plan", "reduce_gradients", "report", "run", "sharded",
+    "UnsupportedError", "calibrate", "collectives", "current_mesh", "init_mesh", "launch", "plan", "reduce_gradients", "report", "run", "sharded",
 ]

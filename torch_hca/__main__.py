@@ -19,13 +19,16 @@ def main(argv: list[str] | None = None) -> int:
                        help="comma-separated (default: all); each runs on the models it applies to")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write the records as JSON")
     bench.add_argument("--tiny", action="store_true", help="tiny models (a smoke test, not a measurement)")
+    bench.add_argument("--calibrate", action="store_true",
+                       help="hca uses cost-model figures hca.calibrate() measures on the ranks first "
+                            "(default: the cost model's documented defaults, for run-to-run stable layouts)")
     args = parser.parse_args(argv)
     if args.command == "bench":
         from .bench import main as bench_main
 
         split = lambda s: [v.strip() for v in s.split(",") if v.strip()]
         return bench_main(args.world_size, args.steps, split(args.models), split(args.contestants), args.json,
-                          args.tiny)
+                          args.tiny, args.calibrate)
     if args.command == "demo":
         from .demo import main as demo_main
 

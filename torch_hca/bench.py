@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import zoo
 from ._torch_private import ddp_bucket_bytes
+from .calibrate import calibrate as hca_calibrate
 from .collective_kinds import Kind, bytes_per_rank
 from .launch import launch
 from .mesh import init_mesh
@@ -82,7 +83,9 @@ def specs(tiny: bool = False) -> dict[str, Spec]:
                       _randn(bs // 2, seq, d)),
         "lm": Spec("lm", "tp", lambda: zoo.TinyLM(**lm), zoo.TP_LM,
                    lambda g: torch.randint(0, lm["vocab"], (bs, seq), generator=g), zoo.lm_loss),
-        "dp": Spec("dp", "dp", lambda: zoo.DeepMLP(d, 12), {}, _randn(2 * b, d)),
+        # Enough rows that data parallelism beats gathering the batch and replicating the
+        # work (with few rows the layout solver would rather gather: docs/layout.md).
+        "dp": Spec("dp", "dp", lambda: zoo.DeepMLP(d, 12), {}, _randn(16 * b, d)),
         # A batch larger than a layer's weights, so gathering the weights (FSDP) is the
         # cheaper layout; with fewer rows the layout solver gathers activations instead.
         "fsdp": Spec("fsdp", "fsdp", lambda: zoo.DeepMLP(d, 12), zoo.FSDP_PLAN, _randn(16 * b, d)),
@@ -167,9 +170,10 @@ def _build(spec: Spec, contestant: str, ref: nn.Module, mesh) -> tuple[nn.Module
     if contestant in ("hca", "hca_noschedule", "dtensor_eager", "dtensor_inductor"):
         io = Replicate() if spec.kind == "tp" else Shard(0)
         model = sharded(spec.plan, mesh=mesh, inputs=io, outputs=io)(base)
+        costs = {"cost_model": _COSTS} if _COSTS else {}
         compiled = {
-            "hca": lambda: torch.compile(model, backend="hca"),
-            "hca_noschedule": lambda: torch.compile(model, backend="hca", options={"schedule": False}),
+            "hca": lambda: torch.compile(model, backend="hca", options=costs),
+            "hca_noschedule": lambda: torch.compile(model, backend="hca", options={"schedule": False, **costs}),
             "dtensor_inductor": lambda: torch.compile(model),
         }
         return model, compiled.get(contestant, lambda: model)(), 1.0
@@ -296,9 +300,16 @@ def _failure(e: BaseException) -> str:
     return f"{names}: {first}"[:400]
 
 
-def run_rank(models: list, contestants: list, steps: int, tiny: bool) -> list:
+# The cost model hca's layout solver and scheduler use in this run: measured on these
+# ranks by hca.calibrate() (rank 0's figures, on every rank), or {} for the defaults.
+_COSTS: dict = {}
+
+
+def run_rank(models: list, contestants: list, steps: int, tiny: bool, calibrate: bool = False) -> list:
     mesh = init_mesh()
     n = dist.get_world_size()
+    global _COSTS
+    _COSTS = hca_calibrate() if calibrate else {}
     records = []
     for name in models:
         spec = specs(tiny)[name]
@@ -322,6 +333,8 @@ def run_rank(models: list, contestants: list, steps: int, tiny: bool) -> list:
                                         "peak_mem_bytes", "max_grad_rel_err"))}
                 dist.barrier()
             rec["analytic_min_bytes"], rec["analytic_min_why"] = amin, why
+            if c.startswith("hca"):
+                rec["cost_model"] = dict(_COSTS) or "defaults"
             records.append(rec)
     return records
 
@@ -460,7 +473,7 @@ def tables(records: list) -> str:
 
 
 def main(world_size: int = 2, steps: int = 5, models=MODELS, contestants=CONTESTANTS, json_path=None,
-         tiny: bool = False) -> int:
+         tiny: bool = False, calibrate: bool = False) -> int:
     models, contestants = list(models), list(contestants)
     for m in models:
         if m not in MODELS:
@@ -472,7 +485,7 @@ def main(world_size: int = 2, steps: int = 5, models=MODELS, contestants=CONTEST
         raise SystemExit("--steps must be >= 1")
     print(f"torch_hca bench: {', '.join(models)} x {', '.join(contestants)} on {world_size} local gloo ranks, "
           f"{'tiny models, ' if tiny else ''}1 warm-up + {steps} timed + 1 profiled step(s)\n", flush=True)
-    records = _merge(launch(run_rank, world_size, models, contestants, steps, tiny, timeout_s=1800.0))
+    records = _merge(launch(run_rank, world_size, models, contestants, steps, tiny, calibrate, timeout_s=1800.0))
     if json_path:
         with open(json_path, "w") as f:
             json.dump(records, f, indent=2)

@@ -1,0 +1,29 @@
+"""`hca.calibrate`: cost-model figures measured on real gloo ranks, the same on every rank."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import dist_cases
+import torch_hca as hca
+from torch_hca.calibrate import FIELDS
+
+
+def test_every_rank_gets_rank_zeros_figures(worlds):
+    results = worlds(2).run(dist_cases.calibrated)
+    assert results[0] == results[1], "ranks must solve layouts with the same figures"
+    figures = results[0]
+    assert tuple(figures) == FIELDS
+    assert all(math.isfinite(v) and v >= 0 for v in figures.values())
+    # Rates are positive, and in a plausible range for a CPU and loopback TCP.
+    assert 1e6 < figures["bytes_per_s"] < 1e12 and 1e8 < figures["flops_per_s"] < 1e14
+
+
+def test_needs_a_process_group():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    with pytest.raises(hca.MeshError, match=r"hca.calibrate\(\): no process group; call hca.init_mesh\(\) first"):
+        hca.calibrate()
