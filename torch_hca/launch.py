@@ -214,11 +214,18 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
 def run(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     """Entry point for scripts: ``fn(*args)`` on every rank, with or without torchrun.
 
-    Under torchrun (``RANK`` is set) this process is one rank: call ``fn`` here
-    (`init_mesh` closes the process group it opens at exit). Otherwise start
+    Under torchrun (``RANK`` is set) this process is one rank: call ``fn`` here,
+    then close the process group once every rank is done. Otherwise start
     `world_size` local gloo ranks with `launch`.
     """
     if "RANK" in os.environ:
+        import torch.distributed as dist
+
         fn(*args)
+        if dist.is_initialized():
+            # A rank that tears gloo down while another still talks to it can make
+            # both abort at exit ("terminate called without an active exception").
+            dist.barrier()
+            dist.destroy_process_group()
     else:
         launch(fn, world_size, *args)
