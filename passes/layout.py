@@ -35,18 +35,7 @@ from .infra import PassContext, PassResult
 
 def _execute(gm: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-    if node.op == "call_function":
-        return node.target(*args, **kwargs)
-    if node.op == "call_method":
-        return getattr(args[0], node.target)(*args[1:], **kwargs)
-    if node.op == "call_module":
-        return gm.get_submodule(node.target)(*args, **kwargs)
-    if node.op == "get_attr":
-        obj = gm
-        for part in node.target.split("."):
-            obj = getattr(obj, part)
-        return obj
-    raise UnsupportedError(f"layout pass: unexpected node kind {node.op} at {node.name}")
+    return layout_solver.call_node(gm, node, args, kwargs)
 
 
 def _attribute(node: fx.Node, env, events: list[RedistributionEvent]) -> dict[fx.Node, tuple]:
@@ -131,7 +120,7 @@ class LayoutPass:
                 continue
             chosen = solution.choice[op.node]
             for src, layout in zip(op.slots, chosen.inputs):
-                written = solution.choice[src].output if src in solution.choice else tuple(src.meta["example_value"].placements)
+                written = solution.choice[src].output  # every DTensor value is an op of the solve
                 if written == layout:
                     continue
                 if (src, layout) not in moved:

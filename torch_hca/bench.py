@@ -164,16 +164,16 @@ def _fsdp2(model: nn.Module, mesh) -> nn.Module:
 
 # ------------------------------------------------------------ one contestant
 
-def _build(spec: Spec, contestant: str, ref: nn.Module, mesh) -> tuple[nn.Module, Callable, float]:
+def _build(spec: Spec, contestant: str, ref: nn.Module, mesh, costs: dict) -> tuple[nn.Module, Callable, float]:
     """(the module whose parameters train, what runs the forward, the loss scale)."""
     base = copy.deepcopy(ref)
     if contestant in ("hca", "hca_noschedule", "dtensor_eager", "dtensor_inductor"):
         io = Replicate() if spec.kind == "tp" else Shard(0)
         model = sharded(spec.plan, mesh=mesh, inputs=io, outputs=io)(base)
-        costs = {"cost_model": _COSTS} if _COSTS else {}
+        options = {"cost_model": costs} if costs else {}
         compiled = {
-            "hca": lambda: torch.compile(model, backend="hca", options=costs),
-            "hca_noschedule": lambda: torch.compile(model, backend="hca", options={"schedule": False, **costs}),
+            "hca": lambda: torch.compile(model, backend="hca", options=options),
+            "hca_noschedule": lambda: torch.compile(model, backend="hca", options={"schedule": False, **options}),
             "dtensor_inductor": lambda: torch.compile(model),
         }
         return model, compiled.get(contestant, lambda: model)(), 1.0
@@ -212,11 +212,11 @@ def _resident_bytes(model: nn.Module) -> int:
     return total
 
 
-def _run_one(spec: Spec, contestant: str, ref: nn.Module, ref_grads: dict, batches: list, mesh) -> dict:
+def _run_one(spec: Spec, contestant: str, ref: nn.Module, ref_grads: dict, batches: list, mesh, costs: dict) -> dict:
     rank, n = dist.get_rank(), dist.get_world_size()
     rec = {"model": spec.name, "contestant": contestant, "world_size": n, "notes": []}
     torch._dynamo.reset()
-    model, run, scale = _build(spec, contestant, ref, mesh)
+    model, run, scale = _build(spec, contestant, ref, mesh, costs)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     local = (lambda x: x) if spec.kind == "tp" else (lambda x: x.chunk(n)[rank])
 
@@ -300,16 +300,11 @@ def _failure(e: BaseException) -> str:
     return f"{names}: {first}"[:400]
 
 
-# The cost model hca's layout solver and scheduler use in this run: measured on these
-# ranks by hca.calibrate() (rank 0's figures, on every rank), or {} for the defaults.
-_COSTS: dict = {}
-
-
 def run_rank(models: list, contestants: list, steps: int, tiny: bool, calibrate: bool = False) -> list:
     mesh = init_mesh()
     n = dist.get_world_size()
-    global _COSTS
-    _COSTS = hca_calibrate() if calibrate else {}
+    # hca's cost model in this run: measured on these ranks (rank 0's figures), or {} for the defaults.
+    costs = hca_calibrate() if calibrate else {}
     records = []
     for name in models:
         spec = specs(tiny)[name]
@@ -325,7 +320,7 @@ def run_rank(models: list, contestants: list, steps: int, tiny: bool, calibrate:
             if not applies(spec.kind, c):
                 continue
             try:
-                rec = _run_one(spec, c, ref, ref_grads, batches, mesh)
+                rec = _run_one(spec, c, ref, ref_grads, batches, mesh, costs)
             except Exception as e:  # noqa: BLE001 - a contestant that fails is reported, not fatal
                 msg = _failure(e)
                 rec = {"model": name, "contestant": c, "world_size": n, "failed": msg, "notes": [f"failed: {msg}"],
@@ -334,7 +329,7 @@ def run_rank(models: list, contestants: list, steps: int, tiny: bool, calibrate:
                 dist.barrier()
             rec["analytic_min_bytes"], rec["analytic_min_why"] = amin, why
             if c.startswith("hca"):
-                rec["cost_model"] = dict(_COSTS) or "defaults"
+                rec["cost_model"] = dict(costs) or "defaults"
             records.append(rec)
     return records
 

@@ -244,12 +244,24 @@ def _fake_dtensor(like: DTensor, layout: Layout) -> DTensor:
     return DTensor.from_local(data, mesh, layout, run_check=False, shape=like.shape, stride=like.stride())
 
 
-def _call(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> Any:
+def call_node(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> Any:
+    """Run one FX node on given arguments (the layout pass and the probes both do)."""
     if node.op == "call_function":
         return node.target(*args, **kwargs)
     if node.op == "call_method":
         return getattr(args[0], node.target)(*args[1:], **kwargs)
-    return gm.get_submodule(node.target)(*args, **kwargs)
+    if node.op == "call_module":
+        return gm.get_submodule(node.target)(*args, **kwargs)
+    if node.op == "get_attr":
+        return _attr(gm, node.target)
+    raise UnsupportedError(f"layout: unexpected node kind {node.op} at {node.name}")
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def _describe_arg(a: Any) -> Any:
@@ -280,7 +292,7 @@ def probe(gm: fx.GraphModule, node: fx.Node, slots: list[fx.Node], layouts: tupl
     result = None
     try:
         with record_implicit_redistributions() as events:
-            out = _call(gm, node, args, kwargs)
+            out = call_node(gm, node, args, kwargs)
         # Only plain Shard / Replicate / Partial results: DTensor cannot always move a
         # _StridedShard (a flattened dim whose inner part is sharded) while tracing,
         # and its view rules mislabel some (tests/test_op_families.py, KNOWN_WRONG).
@@ -633,13 +645,14 @@ def explain_rows(ops: list[Op], costs: Costs, choice: dict[fx.Node, Strategy], m
         touching.setdefault(e.producer.node, []).append(e)
 
     def local(op: Op, s: Strategy) -> float:
-        trial = dict(choice)
-        trial[op.node] = s
+        """The cost terms `op` touches, with `op` on `s` and every other op as chosen."""
+        pick = lambda other: s if other is op else choice[other.node]
         total = _own_cost(s, memory_weight)
         for e in touching.get(op.node, []):
-            out, key = trial[e.producer.node].output, _key(trial[e.consumer.node], e.slot)
+            out, key = pick(e.producer).output, _key(pick(e.consumer), e.slot)
             fw, bw, owed = _edge_cost(costs, e, out, key)
-            total += fw + bw + memory_weight * _moved_bytes(costs, e, out, key) + sum(_reduction(costs, e.producer, trial[e.producer.node].output, m) for m in owed)
+            total += fw + bw + memory_weight * _moved_bytes(costs, e, out, key)
+            total += sum(_reduction(costs, e.producer, out, m) for m in owed)
         return total
 
     rows = []
