@@ -33,6 +33,19 @@ class Case:
     outputs: Any
     x_shape: tuple[int, ...]
     grad_reduction: str = "eager"
+    options: dict | None = None  # backend options the case compiles with
+
+
+class NormMLP(nn.Module):
+    """x + mlp(norm(x)): the region sequence parallelism shards."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = zoo.MLP(dim, hidden)
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
 
 
 ONE_D = lambda ws: ((ws,), ("tp",))
@@ -48,6 +61,13 @@ CASES = {
     "dp_deferred": Case(lambda: zoo.DeepMLP(16, 4), {}, lambda ws: ((ws,), ("dp",)), Shard(0), Shard(0), (8, 16), "deferred"),
     "2d": Case(lambda: zoo.MLP(64, 256), zoo.two_d(zoo.MEGATRON_MLP), TWO_D, (Shard(0), Replicate()), (Shard(0), Replicate()), (8, 64)),
     "block": Case(lambda: zoo.TransformerBlock(128, 4, 512), zoo.TP_BLOCK, ONE_D, Replicate(), Replicate(), (2, 6, 128)),
+    # Storage only; the layout solver picks the pattern (tests/test_layout_solver.py shows it).
+    # FSDP: weights stored Shard(0), more batch rows than weights: gather the weights.
+    "fsdp": Case(lambda: zoo.DeepMLP(16, 4), {"*": Shard(0)}, lambda ws: ((ws,), ("dp",)), Shard(0), Shard(0), (64, 16)),
+    # Sequence parallel: Megatron storage, activation memory costed.
+    "sp": Case(lambda: nn.Sequential(NormMLP(128, 512), NormMLP(128, 512)),
+               {"*.mlp.fc1.*": Shard(0), "*.mlp.fc2.weight": Shard(1)}, ONE_D, Replicate(), Replicate(), (2, 16, 128),
+               options={"memory_weight": 1e-7}),
 }
 
 
@@ -82,7 +102,8 @@ def setup(case: Case, options: dict | None = None, seed: int = 0, dynamic: bool 
         case.plan, mesh=mesh, inputs=case.inputs, outputs=case.outputs, grad_reduction=case.grad_reduction,
     )(copy.deepcopy(ref))
     # Strict in tests: an implicit redistribution or an unexplained backward collective fails.
-    compiled = torch.compile(model, backend="hca", options={"strict": True, **(options or {})}, dynamic=dynamic)
+    options = {"strict": True, **(case.options or {}), **(options or {})}
+    compiled = torch.compile(model, backend="hca", options=options, dynamic=dynamic)
     return mesh, ref, model, compiled
 
 

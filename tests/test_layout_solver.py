@@ -17,6 +17,8 @@ from torch.distributed.tensor import Replicate, Shard
 import torch_hca as hca
 from torch_hca import layout_solver, zoo
 
+from dist_cases import NormMLP
+
 
 def compile_and_step(model, x, **options):
     compiled = torch.compile(model, backend="hca", options={"strict": True, "schedule": False, **options}, dynamic=False)
@@ -29,18 +31,6 @@ def compile_and_step(model, x, **options):
 
 def counts(rep):
     return rep.collective_counts("forward"), rep.collective_counts("backward")
-
-
-class NormMLP(nn.Module):
-    """x + mlp(norm(x)): the region sequence parallelism shards."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.mlp = zoo.MLP(dim, hidden)
-
-    def forward(self, x):
-        return x + self.mlp(self.norm(x))
 
 
 def test_megatron_mlp(fake_pg):
