@@ -15,13 +15,13 @@ from functorch.compile import make_boxed_func
 
 def emit(gm: fx.GraphModule, example_inputs: list[Any], inner: str, is_backward: bool = False) -> Callable:
     if inner == "inductor":
-        import copy
-
         from torch._inductor.compile_fx import compile_fx_inner
+
+        from torch_hca._torch_private import copy_graph_module
 
         # Inductor rewrites the graph in place (all_reduce -> all_reduce_); the report
         # keeps the graph the passes emitted.
-        return compile_fx_inner(copy.deepcopy(gm), example_inputs, is_backward=is_backward)
+        return compile_fx_inner(copy_graph_module(gm), example_inputs, is_backward=is_backward)
     return make_boxed_func(gm.forward)
 
 

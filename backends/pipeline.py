@@ -1,6 +1,7 @@
 """The backend pipeline for one Dynamo graph.
 
-    Dynamo graph (attention already rewritten, torch_hca.rewrites) --layout--> DTensor program
+    Dynamo graph (the logical program, torch_hca.logical) --lift--> replicated DTensor program
+      --layout--> DTensor program
       --AOTAutograd--> joint graph --transpose--> partition --> forward, backward
       --schedule--> checked order --emit--> FX (eager) or Inductor
 """
@@ -21,10 +22,12 @@ from torch_hca.options import Options
 from torch_hca.plan import parameter_name
 from torch_hca.errors import HCAError, UnsupportedError
 from torch_hca.spmd_check import check_same_collectives
+from torch_hca.refinement import check_refinement
 from torch_hca.report import CollectiveRecord, CompileReport, GraphReport, layout_str, new_graph_report
 from torch_hca.passes.collective_rewrites import REWRITE, CollectiveRewritePass, agree_across_ranks, no_rank_rewrites
 from torch_hca.passes.infra import PassContext, dump, run_pass
 from torch_hca.passes.layout import LayoutPass
+from torch_hca.passes.lift import LiftPass
 from torch_hca.passes.roles import CotangentRolePass
 from torch_hca.passes.schedule import SchedulePass
 from torch_hca.passes.transpose import PARTNER, RULE, TransposePass
@@ -37,7 +40,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
     ctx = PassContext(options, report, list(example_inputs))
     _describe_inputs(gm, report)
     report.dynamo_graph = gm
+    logical = _copy(gm) if options.check else None
     dump(ctx, "dynamo", gm.code)
+    gm = run_pass(LiftPass(), gm, ctx)
     gm = run_pass(LayoutPass(), gm, ctx)
     gm = run_pass(CotangentRolePass(), gm, ctx)
     report.dtensor_program = gm
@@ -87,7 +92,30 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
             ) from e
         raise
     _dump_tables(ctx)
+    if logical is not None:
+        return _refinement_checked(compiled, logical, report)
     return compiled
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """The logical program as Dynamo traced it (the passes rewrite `gm` in place)."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return fx.GraphModule(gm, graph)
+
+
+def _refinement_checked(compiled: Callable, logical: fx.GraphModule, report: GraphReport) -> Callable:
+    """`compiled`, checked against the logical program on its first call (option ``check``)."""
+    pending = [True]
+
+    def run(*args):
+        if pending:
+            pending.clear()
+            report.refinement = check_refinement(logical, compiled, list(args), f"refinement check, graph {report.index}")
+        return compiled(*args)
+
+    return run
 
 
 def _checked_first_run(compiled: Callable, per_group: dict[str, list[str]], what: str) -> Callable:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -50,6 +51,7 @@ def dump(ctx: PassContext, stage: str, text: str, suffix: str = "py") -> None:
 def run_pass(p: Pass, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Run one pass: dump before and after, lint the result, record the decisions."""
     dump(ctx, f"{p.name}_before", gm.code)
+    start = time.perf_counter()
     result = p.run(gm, ctx)
     try:
         result.graph.graph.lint()
@@ -58,5 +60,6 @@ def run_pass(p: Pass, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if result.changed:
         result.graph.recompile()
     dump(ctx, f"{p.name}_after", result.graph.code)
-    ctx.report.passes.append(PassRecord(p.name, p.reads, p.writes, result.changed, result.decisions))
+    seconds = time.perf_counter() - start
+    ctx.report.passes.append(PassRecord(p.name, p.reads, p.writes, result.changed, result.decisions, seconds))
     return result.graph

@@ -25,7 +25,9 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
 from torch_hca import dtensor_ops, layout_solver
-from torch_hca._torch_private import RedistributionEvent, fake_mode_of, graph_arg_example, record_implicit_redistributions
+from torch_hca._torch_private import (
+    RedistributionEvent, clear_dtensor_sharding_cache, fake_mode_of, graph_arg_example, record_implicit_redistributions,
+)
 from torch_hca.errors import UnsupportedError
 from torch_hca.plan import parameter_name
 from torch_hca.report import Redistribution, layout_str
@@ -67,9 +69,13 @@ class LayoutPass:
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         placeholders = gm.graph.find_nodes(op="placeholder")
         fake_mode = fake_mode_of([n.meta.get("example_value") for n in placeholders])
-        with fake_mode if fake_mode is not None else contextlib.nullcontext():
-            decisions = self._solve(gm, ctx) if ctx.options.layout == "solve" else []
-            implicit = self._rewrite(gm, ctx)
+        try:
+            with fake_mode if fake_mode is not None else contextlib.nullcontext():
+                decisions = self._solve(gm, ctx) if ctx.options.layout == "solve" else []
+                implicit = self._rewrite(gm, ctx)
+        finally:
+            # Probes ran DTensor on fake tensors; its sharding cache must not hand those to eager code.
+            clear_dtensor_sharding_cache()
         if ctx.options.layout == "dtensor":
             ctx.report.layout = {"solver": "none (DTensor's per-op choices)"}
         # After the solver, a move DTensor still wanted means a strategy it mis-predicted.
@@ -116,8 +122,8 @@ class LayoutPass:
         moved: dict[tuple[fx.Node, tuple], fx.Node] = {}
         decisions = []
         for op in ops:
-            if op.fixed:
-                continue
+            if op.fixed and not (op.node.op == "call_function" and op.node.target in layout_solver.FIXED_READS):
+                continue  # a parameter, an input, or the user's own redistribute
             chosen = solution.choice[op.node]
             for src, layout in zip(op.slots, chosen.inputs):
                 written = solution.choice[src].output  # every DTensor value is an op of the solve

@@ -49,12 +49,12 @@ first bucket issued after the last two layers' gradients, both waits at the end.
 
 from __future__ import annotations
 
-import copy
+
 from typing import Any
 
 import torch.fx as fx
 
-from torch_hca._torch_private import group_size
+from torch_hca._torch_private import copy_graph_module, group_size
 from torch_hca.collective_kinds import OPS, WAIT, node_payload
 from torch_hca.errors import CheckError
 from torch_hca.schedule_check import ScheduleSummary, check_reorder
@@ -88,14 +88,14 @@ class SchedulePass:
         self.name = f"schedule_{which}"
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        before = copy.deepcopy(gm)
+        before = copy_graph_module(gm)
         opts = ctx.options
         buckets: list[dict[str, Any]] = []
         moved = {"starts_earlier": 0, "waits_later": 0, "waits_forced": 0}
         bucketed, reordered = before, False
         if opts.schedule:
             buckets = bucket_collectives(gm.graph, self.which, _bucket_cap(gm, ctx))
-            bucketed = copy.deepcopy(gm) if buckets else before
+            bucketed = copy_graph_module(gm) if buckets else before
             traced = list(gm.graph.nodes)
             order, forced = plan_order(gm.graph, opts.max_in_flight_mb * MB)
             moved = {**count_moves(traced, order), "waits_forced": forced}

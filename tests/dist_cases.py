@@ -102,7 +102,7 @@ def setup(case: Case, options: dict | None = None, seed: int = 0, dynamic: bool 
         case.plan, mesh=mesh, inputs=case.inputs, outputs=case.outputs, grad_reduction=case.grad_reduction,
     )(copy.deepcopy(ref))
     # Strict in tests: an implicit redistribution or an unexplained backward collective fails.
-    options = {"strict": True, **(case.options or {}), **(options or {})}
+    options = {"strict": True, "check": True, **(case.options or {}), **(options or {})}
     compiled = torch.compile(model, backend="hca", options=options, dynamic=dynamic)
     return mesh, ref, model, compiled
 
@@ -172,6 +172,7 @@ TWO_STAGE_PLAN = {"a.fc1.*": Shard(0), "a.fc2.weight": Shard(1), "b.fc1.*": Shar
 def graph_break_two_outputs() -> dict[str, Any]:
     case = Case(TwoStage, TWO_STAGE_PLAN, ONE_D, Replicate(), Replicate(), (8, 16))
     _, ref, model, compiled = setup(case)
+    torch._dynamo.utils.counters.clear()
     x = torch.randn(8, 16)
     out, twice = compiled(x)
     ref_out, ref_twice = ref(x)
@@ -182,6 +183,7 @@ def graph_break_two_outputs() -> dict[str, Any]:
         "out_err": max(rel_err(out, ref_out), rel_err(twice, ref_twice)),
         "grad_err": max(grad_errors(model, ref).values()),
         "graphs": len(rep.graphs),
+        "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
         "forward": rep.collective_counts("forward"),
     }
 

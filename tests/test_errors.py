@@ -277,7 +277,7 @@ def test_submesh_smaller_than_world(fake_pg):
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"bogus": 1}, r"unknown option\(s\) \['bogus'\]; the options are \['bucket_cap_mb', 'cost_model', 'debug_dir', 'inner', 'layout', "
+        ({"bogus": 1}, r"unknown option\(s\) \['bogus'\]; the options are \['bucket_cap_mb', 'check', 'cost_model', 'debug_dir', 'inner', 'layout', "
          r"'max_in_flight_mb', 'memory_budget', 'memory_weight', 'rank_rewrites', 'schedule', "
          r"'solver_time_limit_s', 'strict'\]"),
         ({"inner": "nope"}, r"options\['inner'\]='nope'; use one of \('eager', 'inductor', 'dtensor'\)"),
@@ -298,7 +298,7 @@ def test_bad_options_parse(options, message):
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"bogus": 1}, r"unknown option\(s\) \['bogus'\]; the options are \['bucket_cap_mb', 'cost_model', 'debug_dir', 'inner', 'layout', "
+        ({"bogus": 1}, r"unknown option\(s\) \['bogus'\]; the options are \['bucket_cap_mb', 'check', 'cost_model', 'debug_dir', 'inner', 'layout', "
          r"'max_in_flight_mb', 'memory_budget', 'memory_weight', 'rank_rewrites', 'schedule', "
          r"'solver_time_limit_s', 'strict'\]"),
         ({"inner": "nope"}, r"options\['inner'\]='nope'; use one of \('eager', 'inductor', 'dtensor'\)"),

@@ -13,13 +13,14 @@ TOL = 1e-5
 def test_graph_break_and_several_outputs(worlds, world_size):
     r = worlds(world_size).run(dist_cases.graph_break_two_outputs)[0]
     assert r["out_err"] <= TOL and r["grad_err"] <= TOL
-    assert r["graphs"] == 2, "a graph break makes two compiled graphs"
-    # The break splits TwoStage.forward; Dynamo then runs the sharded wrapper's
-    # frame (input and output conversion, including the final P -> R of both
-    # results) eagerly, so only b's input all-reduce lands in a compiled graph,
-    # with one weight all-gather: the layout solver gathers the tiny second-stage
-    # weight rather than all-reduce its activations (docs/layout.md).
-    assert r["forward"] == {"all_gather": 1, "all_reduce": 1}
+    assert r["graph_breaks"] >= 1  # Dynamo counts the break once per frame it unwinds
+    # Every parameter enters the logical program in the first graph; the graph after the
+    # break computes on the whole (replicated) values it hands over, so the report, which
+    # finds a module's graphs by the parameters they read, lists the first one.
+    assert r["graphs"] == 1
+    # The first graph holds a's program and hands y over whole (replicated): the layout
+    # solver gathers the tiny weights rather than all-reduce activations, in one bucket.
+    assert r["forward"] == {"all_gather": 1}
 
 
 # The MLP recompiles once with a dynamic batch size (Dynamo's default). The
@@ -40,8 +41,8 @@ def test_inner_dtensor_runs_the_dtensor_program(worlds):
     r = worlds(2).run(dist_cases.inner, "dtensor")[0]
     assert r["out_err"] <= TOL and r["grad_err"] <= TOL
     assert not r["has_c10d_graphs"], "inner='dtensor' must not go through AOTAutograd"
-    # Attention reached the program as ops DTensor can shard (rewrites.py).
-    assert "scaled_dot_product" not in r["dtensor_code"] and "bmm" in r["dtensor_code"]
+    # Attention reached the program as hca's own op, with its own sharding rule (attention.py).
+    assert "scaled_dot_product" not in r["dtensor_code"] and "torch_hca_attention_sdpa" in r["dtensor_code"]
 
 
 def test_inner_inductor(worlds):

@@ -50,11 +50,15 @@ def _def_line(line: str) -> list[str]:
     return [f"{indent}def {name}("] + [f"{indent}    {p}," for p in params] + [f"{indent}):"]
 
 
+_MESH_INDEX = re.compile(r"((?:from_local|replicate)\(\w+, )\d+,")
+
+
 def normalize(code: str) -> str:
     """Generated code or table text, in the form the goldens hold."""
     out = []
     for line in code.splitlines():
         line = _LIVENESS.sub("", line.rstrip())
+        line = _MESH_INDEX.sub(r"\1MESH,", line)  # a process-global index of torch_hca.logical
         if not line.strip():
             continue
         if line.lstrip().startswith("def "):
@@ -134,28 +138,25 @@ def forward(
         self.assertExpectedInline(normalize(r.dtensor_code), """\
 def forward(
     self,
-    L_args_0_: Tensor,
-    L_self_hca_spec_mesh: DeviceMesh,
     L_self_modules_fc1_parameters_weight_: DTensor,
     L_self_modules_fc1_parameters_bias_: DTensor,
     L_self_modules_fc2_parameters_weight_: DTensor,
     L_self_modules_fc2_parameters_bias_: DTensor,
+    L_args_0_: Tensor,
 ):
-    l_args_0_ = L_args_0_
-    l_self_hca_spec_mesh = L_self_hca_spec_mesh
     l_self_modules_fc1_parameters_weight_ = L_self_modules_fc1_parameters_weight_
     l_self_modules_fc1_parameters_bias_ = L_self_modules_fc1_parameters_bias_
     l_self_modules_fc2_parameters_weight_ = L_self_modules_fc2_parameters_weight_
     l_self_modules_fc2_parameters_bias_ = L_self_modules_fc2_parameters_bias_
     reduce_gradient_eagerly = torch_hca_dtensor_ops_reduce_gradient_eagerly(l_self_modules_fc2_parameters_bias_)
-    from_local = torch.distributed.tensor._api.from_local(l_args_0_, l_self_hca_spec_mesh, (Replicate(),), run_check = False)
+    l_args_0_ = L_args_0_
+    from_local = torch_hca_dtensor_ops_from_local(l_args_0_, MESH, (Replicate(),), [8, 64])
     linear = torch._C._nn.linear(from_local, l_self_modules_fc1_parameters_weight_, l_self_modules_fc1_parameters_bias_)
     gelu = torch._C._nn.gelu(linear)
-    redistribute_1 = torch_hca_dtensor_ops_redistribute(reduce_gradient_eagerly, (Partial('sum'),))
-    out = torch._C._nn.linear(gelu, l_self_modules_fc2_parameters_weight_, redistribute_1)
-    redistribute = out.redistribute(l_self_hca_spec_mesh, (Replicate(),))
-    to_local = redistribute.to_local(grad_placements = (Replicate(),))
-    return (to_local,)""")
+    redistribute = torch_hca_dtensor_ops_redistribute(reduce_gradient_eagerly, (Partial('sum'),))
+    out = torch._C._nn.linear(gelu, l_self_modules_fc2_parameters_weight_, redistribute)
+    to_output = torch_hca_dtensor_ops_to_output(out, (Replicate(),))
+    return (to_output,)""")
 
     def test_mlp_forward_graph(self):
         r = self.mlp_report()
@@ -171,15 +172,14 @@ def forward(
     primals_7,
     primals_8,
     primals_9,
-    primals_10,
 ):
-    view = torch.ops.aten.view.default(primals_9, [64])
-    view_1 = torch.ops.aten.view.default(primals_1, [8, 64])
-    t = torch.ops.aten.t.default(primals_3)
-    addmm = torch.ops.aten.addmm.default(primals_5, view_1, t)
+    view = torch.ops.aten.view.default(primals_7, [64])
+    view_1 = torch.ops.aten.view.default(primals_9, [8, 64])
+    t = torch.ops.aten.t.default(primals_1)
+    addmm = torch.ops.aten.addmm.default(primals_3, view_1, t)
     gelu = torch.ops.aten.gelu.default(addmm)
     div = torch.ops.aten.div.Tensor(view, 4)
-    t_1 = torch.ops.aten.t.default(primals_7)
+    t_1 = torch.ops.aten.t.default(primals_5)
     addmm_1 = torch.ops.aten.addmm.default(div, gelu, t_1)
     all_reduce = torch.ops._c10d_functional.all_reduce.default(addmm_1, 'sum', '0')
     wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_reduce)
@@ -214,7 +214,7 @@ def forward(
     sum_2 = torch.ops.aten.sum.dim_IntList(gelu_backward, [0], True)
     view_5 = torch.ops.aten.view.default(sum_2, [64])
     t_8 = torch.ops.aten.t.default(t_7)
-    return (None, None, t_8, primals_2, view_5, primals_2, t_5, primals_2, view_4, primals_2)""")
+    return (t_8, primals_2, view_5, primals_2, t_5, primals_2, view_4, primals_2, None)""")
 
     def test_mlp_collectives_table(self):
         r = self.mlp_report()
@@ -231,8 +231,6 @@ graph  dir  kind        group  n  shape  dtype    bytes  wire/rank  partner  rul
         self.assertExpectedInline(normalize(r.dtensor_code), """\
 def forward(
     self,
-    L_args_0_: Tensor,
-    L_self_hca_spec_mesh: DeviceMesh,
     L_self_modules_norm1_parameters_weight_: DTensor,
     L_self_modules_norm1_parameters_bias_: DTensor,
     L_self_modules_attn_modules_wq_parameters_weight_: DTensor,
@@ -245,9 +243,8 @@ def forward(
     L_self_modules_mlp_modules_fc1_parameters_bias_: DTensor,
     L_self_modules_mlp_modules_fc2_parameters_weight_: DTensor,
     L_self_modules_mlp_modules_fc2_parameters_bias_: DTensor,
+    L_args_0_: Tensor,
 ):
-    l_args_0_ = L_args_0_
-    l_self_hca_spec_mesh = L_self_hca_spec_mesh
     l_self_modules_norm1_parameters_weight_ = L_self_modules_norm1_parameters_weight_
     reduce_gradient_eagerly = torch_hca_dtensor_ops_reduce_gradient_eagerly(l_self_modules_norm1_parameters_weight_)
     l_self_modules_norm1_parameters_bias_ = L_self_modules_norm1_parameters_bias_
@@ -265,7 +262,8 @@ def forward(
     l_self_modules_mlp_modules_fc2_parameters_weight_ = L_self_modules_mlp_modules_fc2_parameters_weight_
     l_self_modules_mlp_modules_fc2_parameters_bias_ = L_self_modules_mlp_modules_fc2_parameters_bias_
     reduce_gradient_eagerly_4 = torch_hca_dtensor_ops_reduce_gradient_eagerly(l_self_modules_mlp_modules_fc2_parameters_bias_)
-    from_local = torch.distributed.tensor._api.from_local(l_args_0_, l_self_hca_spec_mesh, (Replicate(),), run_check = False)
+    l_args_0_ = L_args_0_
+    from_local = torch_hca_dtensor_ops_from_local(l_args_0_, MESH, (Replicate(),), [2, 6, 128])
     layer_norm = torch.nn.functional.layer_norm(from_local, (128,), reduce_gradient_eagerly, reduce_gradient_eagerly_1, 1e-05)
     linear = torch._C._nn.linear(layer_norm, l_self_modules_attn_modules_wq_parameters_weight_, None)
     view = linear.view(2, 6, 4, 32)
@@ -275,42 +273,22 @@ def forward(
     k = view_1.transpose(1, 2)
     linear_2 = torch._C._nn.linear(layer_norm, l_self_modules_attn_modules_wv_parameters_weight_, None)
     view_2 = linear_2.view(2, 6, 4, 32)
-    v = view_2.transpose(1, 2)
-    transpose_3 = q.transpose(0, 1)
-    reshape = transpose_3.reshape(8, 6, 32)
-    transpose_4 = k.transpose(0, 1)
-    reshape_1 = transpose_4.reshape(8, 6, 32)
-    transpose_5 = v.transpose(0, 1)
-    reshape_2 = transpose_5.reshape(8, 6, 32)
-    transpose_6 = reshape_1.transpose(-2, -1)
-    bmm = torch.bmm(reshape, transpose_6)
-    scores = bmm * 0.17677669529663687
-    ones = torch.ones(6, 6, dtype = torch.bool)
-    keep = ones.tril()
-    getattr_1 = scores.device_mesh
-    to = keep.to(device(type='cpu'))
-    from_local_1 = torch.distributed.tensor._api.from_local(to, getattr_1, (Replicate(),), run_check = False)
-    invert = ~from_local_1
-    scores_1 = scores.masked_fill(invert, -inf)
-    probs = torch.softmax(scores_1, dim = -1)
-    out = torch.bmm(probs, reshape_2)
-    view_3 = out.view(4, 2, 6, 32)
-    y = view_3.transpose(0, 1)
-    transpose_8 = y.transpose(1, 2)
-    reshape_3 = transpose_8.reshape(2, 6, 128)
-    linear_3 = torch._C._nn.linear(reshape_3, l_self_modules_attn_modules_wo_parameters_weight_, None)
-    redistribute_1 = torch_hca_dtensor_ops_redistribute(from_local, (Partial('sum'),))
-    x = redistribute_1.add(linear_3)
-    redistribute_2 = torch_hca_dtensor_ops_redistribute(x, (Replicate(),))
-    layer_norm_1 = torch.nn.functional.layer_norm(redistribute_2, (128,), reduce_gradient_eagerly_2, reduce_gradient_eagerly_3, 1e-05)
+    v_12 = view_2.transpose(1, 2)
+    y = torch_hca_attention_sdpa(q, k, v_12, is_causal = True)
+    transpose_3 = y.transpose(1, 2)
+    reshape = transpose_3.reshape(2, 6, 128)
+    linear_3 = torch._C._nn.linear(reshape, l_self_modules_attn_modules_wo_parameters_weight_, None)
+    redistribute = torch_hca_dtensor_ops_redistribute(from_local, (Partial('sum'),))
+    x = redistribute + linear_3
+    redistribute_1 = torch_hca_dtensor_ops_redistribute(x, (Replicate(),))
+    layer_norm_1 = torch.nn.functional.layer_norm(redistribute_1, (128,), reduce_gradient_eagerly_2, reduce_gradient_eagerly_3, 1e-05)
     linear_4 = torch._C._nn.linear(layer_norm_1, l_self_modules_mlp_modules_fc1_parameters_weight_, l_self_modules_mlp_modules_fc1_parameters_bias_)
     gelu = torch._C._nn.gelu(linear_4)
-    redistribute_3 = torch_hca_dtensor_ops_redistribute(reduce_gradient_eagerly_4, (Partial('sum'),))
-    linear_5 = torch._C._nn.linear(gelu, l_self_modules_mlp_modules_fc2_parameters_weight_, redistribute_3)
-    out_1 = x.add(linear_5)
-    redistribute = out_1.redistribute(l_self_hca_spec_mesh, (Replicate(),))
-    to_local = redistribute.to_local(grad_placements = (Replicate(),))
-    return (to_local,)""")
+    redistribute_2 = torch_hca_dtensor_ops_redistribute(reduce_gradient_eagerly_4, (Partial('sum'),))
+    linear_5 = torch._C._nn.linear(gelu, l_self_modules_mlp_modules_fc2_parameters_weight_, redistribute_2)
+    out = x + linear_5
+    to_output = torch_hca_dtensor_ops_to_output(out, (Replicate(),))
+    return (to_output,)""")
         self.assertEqual(r.collective_counts("forward"), {"all_reduce": 2})
         self.assertEqual(r.collective_counts("backward"), {"all_reduce": 2})
 

@@ -99,6 +99,20 @@ def record_implicit_redistributions() -> Iterator[list[RedistributionEvent]]:
         OpDispatcher.redistribute_local_args = original
 
 
+def copy_graph_module(gm):
+    """A deep copy of `gm` that also works while AOTAutograd's fake mode is active.
+
+    Tensor constants the graph holds are real tensors; copying them under an
+    active FakeTensorMode fails ("set the storage of a meta tensor").
+    """
+    import copy
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return copy.deepcopy(gm)
+
+
 def fake_mode_of(values):
     """The FakeTensorMode that made these fake values (DTensors: their local part), if any."""
     from torch._subclasses.fake_tensor import FakeTensor

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from typing import Any
 
 import torch
@@ -20,12 +21,34 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate
 
 from . import layout_solver
-from ._torch_private import fake_mode_of, graph_arg_example
+from ._torch_private import clear_dtensor_sharding_cache, fake_mode_of, graph_arg_example
 from .errors import HCAError, PlanError
+from .lifting import lift
 from .options import Options
 from .plan import parameter_name, sharded
 
 
+def _forgets_dtensor_decisions(fn):
+    """Clear DTensor's sharding cache when `fn` returns or raises.
+
+    The solver's probes run DTensor ops on fake tensors, and DTensor caches what they
+    decide, state included: a vocabulary-sharded embedding's `_MaskPartial` keeps the
+    fake mask its probe made and never reduced, so a later eager DTensor embedding of
+    the same shapes compares its real mask with it and fails ("Please convert all
+    Tensors to FakeTensors first").
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            clear_dtensor_sharding_cache()
+
+    return wrapper
+
+
+@_forgets_dtensor_decisions
 def plan(
     model: nn.Module,
     example_inputs: tuple | list,
@@ -54,6 +77,7 @@ def plan(
     mesh = replicated._hca_spec.mesh
     costs = opts.costs(mesh.device_type)
     fake = fake_mode_of([n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")])
+    lift(gm)  # the logical program as a DTensor program, parameter placeholders kept
     with fake if fake is not None else contextlib.nullcontext():
         ops = layout_solver.build_ops(gm, mesh, costs, lambda node: None, free_storage=lambda node: node in names)
     solution = layout_solver.solve(

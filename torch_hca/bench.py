@@ -174,7 +174,7 @@ def _build(spec: Spec, contestant: str, ref: nn.Module, mesh, costs: dict) -> tu
         compiled = {
             "hca": lambda: torch.compile(model, backend="hca", options=options),
             "hca_noschedule": lambda: torch.compile(model, backend="hca", options={"schedule": False, **options}),
-            "dtensor_inductor": lambda: torch.compile(model),
+            "dtensor_inductor": lambda: torch.compile(trace_over_dtensor(model)),
         }
         return model, compiled.get(contestant, lambda: model)(), 1.0
     if contestant == "expert":

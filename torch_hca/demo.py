@@ -1,8 +1,10 @@
-"""`python -m torch_hca demo`: tensor-parallel transformer block on 2 local gloo ranks.
+"""`python -m torch_hca demo`: a GPT-style model, tensor parallel on 2 local gloo ranks.
 
-Compiles the block with backend "hca", prints the DTensor program and the
-collectives table, trains a few Adam steps next to a single-device copy of
-the same model, and checks gradients and parameters against it.
+The model (`torch_hca.zoo.GPT`: causal attention, ``arange`` positions, the
+output projection tied to the token embedding) is written for one device.
+The demo compiles it with backend "hca", prints the DTensor program and the
+collectives table, trains a few Adam steps on a next-token loss next to a
+single-device copy, and checks gradients and parameters against it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from .mesh import init_mesh
 from .plan import sharded
 from .report import report
 
-DIM, HEADS, HIDDEN, BATCH, SEQ, STEPS = 64, 4, 256, 4, 16, 5
+VOCAB, DIM, HEADS, HIDDEN, LAYERS, BATCH, SEQ, STEPS = 128, 64, 4, 256, 2, 4, 16, 5
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -29,22 +31,22 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def run_rank() -> dict:
     mesh = init_mesh()
     torch.manual_seed(0)
-    ref = zoo.TransformerBlock(DIM, HEADS, HIDDEN)
-    model = sharded(zoo.TP_BLOCK, mesh=mesh)(copy.deepcopy(ref))
+    ref = zoo.GPT(VOCAB, DIM, HEADS, HIDDEN, LAYERS, max_len=SEQ)
+    model = sharded(zoo.TP_GPT, mesh=mesh)(copy.deepcopy(ref))
     compiled = torch.compile(model, backend="hca")
     opt, ref_opt = torch.optim.Adam(model.parameters(), 1e-3), torch.optim.Adam(ref.parameters(), 1e-3)
     grad_err, times = 0.0, []
     start = time.perf_counter()
     for step in range(STEPS):
-        x = torch.randn(BATCH, SEQ, DIM)
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ))
         t0 = time.perf_counter()
-        loss = compiled(x).square().mean()
+        loss = zoo.lm_loss(compiled(ids), ids)
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - t0)
         if step == 0:
             compile_s = time.perf_counter() - start
-        ref_loss = ref(x).square().mean()
+        ref_loss = zoo.lm_loss(ref(ids), ids)
         ref_loss.backward()
         refs = dict(ref.named_parameters())
         grad_err = max(grad_err, *(_rel(p.grad.full_tensor(), refs[n].grad) for n, p in model.named_parameters()))
@@ -69,8 +71,8 @@ def run_rank() -> dict:
 
 
 def main(world_size: int = 2) -> int:
-    print(f"torch_hca demo: transformer block (dim {DIM}, {HEADS} heads, MLP {HIDDEN}), "
-          f"tensor parallel over {world_size} local gloo ranks\n")
+    print(f"torch_hca demo: GPT-style model ({LAYERS} layers, dim {DIM}, {HEADS} heads, MLP {HIDDEN}, "
+          f"vocab {VOCAB}, tied embeddings), tensor parallel over {world_size} local gloo ranks\n")
     results = launch(run_rank, world_size)
     r = results[0]
     print("== DTensor program (rank 0) ==")

@@ -7,12 +7,15 @@ printable, runs eagerly (the reference) and traces through AOTAutograd.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Placement, Replicate
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ._torch_private import redistribute_to_partial
 from .errors import UnsupportedError
+from .logical import mesh_of
 
 
 def redistribute(x: DTensor, placements: tuple[Placement, ...]) -> DTensor:
@@ -24,6 +27,55 @@ def redistribute(x: DTensor, placements: tuple[Placement, ...]) -> DTensor:
                                                for p, q in zip(placements, x.placements)])
         return redistribute_to_partial(x, placements)
     return x.redistribute(x.device_mesh, placements)
+
+
+def from_local(local: torch.Tensor, mesh: int, placements: tuple[Placement, ...], shape: list[int]) -> DTensor:
+    """A forward argument (this rank's piece) as the DTensor it belongs to: the input's stated layout."""
+    strides, step = [], 1
+    for size in reversed(shape):  # contiguous strides, symbolic sizes allowed
+        strides.insert(0, step)
+        step = step * size
+    return DTensor.from_local(local, mesh_of(mesh), placements, run_check=False, shape=torch.Size(shape),
+                              stride=tuple(strides))
+
+
+def replicate(t: torch.Tensor, mesh: int) -> DTensor:
+    """A value made in the graph (a mask, an ``arange``, a buffer): every rank makes the same one."""
+    m = mesh_of(mesh)
+    return DTensor.from_local(t, m, (Replicate(),) * m.ndim, run_check=False)
+
+
+def to_output(x: DTensor, placements: tuple[Placement, ...]) -> torch.Tensor:
+    """A result as this rank's piece in the layout the caller receives."""
+    return x.redistribute(x.device_mesh, placements).to_local(grad_placements=placements)
+
+
+# Callables `run_local` may name (FX arguments stay printable as strings).
+LOCAL_FUNCTIONS: dict[str, Any] = {}
+
+
+def local_function(fn) -> str:
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    LOCAL_FUNCTIONS.setdefault(name, fn)
+    return name
+
+
+def run_local(kind: str, target: str, item: int | None, *args, **kwargs):
+    """An op DTensor has no sharding rule for, run replicated: every rank computes it whole.
+
+    ``kind`` is "method" (``target`` a tensor method name) or "function" (a
+    name registered by `local_function`); ``item`` picks one result of an op
+    that returns several.
+    """
+    mesh = next(a.device_mesh for a in tree_leaves((args, kwargs)) if isinstance(a, DTensor))
+    full = (Replicate(),) * mesh.ndim
+    unwrap = lambda a: a.redistribute(mesh, full).to_local() if isinstance(a, DTensor) else a
+    args, kwargs = tree_map(unwrap, (args, kwargs))
+    out = getattr(args[0], target)(*args[1:], **kwargs) if kind == "method" else LOCAL_FUNCTIONS[target](*args, **kwargs)
+    if item is not None:
+        out = out[item]
+    wrap = lambda t: DTensor.from_local(t, mesh, full, run_check=False) if isinstance(t, torch.Tensor) else t
+    return tree_map(wrap, out)
 
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
+from . import dtensor_ops
 from ._torch_private import record_implicit_redistributions
 from .collective_kinds import Kind
 from .cost_model import CostModel
@@ -60,6 +61,27 @@ PARAMETER = "parameter storage"
 # Beyond this many input-layout combinations for one op, activations only try
 # the layouts their producer can write, plus replicated.
 MAX_COMBOS = 256
+
+# Ops whose reads are fixed: a result's layout for the caller, or replicated for an op DTensor
+# cannot shard (both move their inputs themselves).
+FIXED_READS: dict[Callable, Callable[[fx.Node, DeviceMesh], Layout]] = {
+    dtensor_ops.to_output: lambda node, mesh: tuple(node.args[1]),
+    dtensor_ops.run_local: lambda node, mesh: (Replicate(),) * mesh.ndim,
+}
+
+# Ops linear in each argument, whose DTensor rules are trusted with Partial inputs. A rule is
+# not trusted otherwise: DTensor's convolution rule accepts a partial weight and bias and
+# returns conv(x, W/n) + b/n on each rank, which sums to the wrong value.
+PARTIAL_OK = {"add", "iadd", "sub", "isub", "neg", "mul", "imul", "truediv", "div", "sum", "matmul", "mm", "bmm",
+              "linear", "addmm", "baddbmm", "cat", "stack", "view", "reshape", "transpose", "permute", "unsqueeze",
+              "squeeze", "expand", "flatten", "t", "contiguous", "narrow", "select", "getitem", "clone", "to",
+              "float", "type_as"}
+
+
+def _op_name(node: fx.Node) -> str:
+    t = node.target
+    return t if isinstance(t, str) else getattr(t, "__name__", "")
+
 
 # Ops whose result aliases their input: no compute and no new memory.
 VIEWS = {"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "flatten", "t", "contiguous",
@@ -154,12 +176,17 @@ class Costs:
                 other *= max(_factor(a[k], n), _factor(b[k], n))
         return nbytes / other
 
-    def collective(self, kind: Kind, payload: float, n: int, bucket: tuple | None, used: set | None) -> float:
-        """One collective's seconds; a bucketed one pays bandwidth and notes its bucket in `used`."""
+    def collective(self, kind: Kind, payload: float, n: int, bucket: tuple | None, used: dict | None) -> float:
+        """One collective's seconds; a bucketed one pays bandwidth and notes its bucket in `used`.
+
+        `used` is a dict used as an insertion-ordered set: the integer program's variables are
+        made in its order, which must not depend on the hash seed (it differs per rank, and a
+        bucket holds a `Kind`, whose hash is its name's), or ranks may break ties differently.
+        """
         if bucket is None:
             return self.model.collective_s(kind, payload, n)
         if used is not None and self.model.bandwidth_s(kind, payload, n) > 0:
-            used.add(bucket)
+            used[bucket] = None
         return self.model.bandwidth_s(kind, payload, n)
 
     def bucket_latency(self, bucket: tuple) -> float:
@@ -167,7 +194,7 @@ class Costs:
         _, kind, m = bucket
         return self.model.collective_s(kind, 0, self.sizes[m])
 
-    def forward(self, nbytes: float, src: Layout, dst: Layout, bucketed: bool = False, used: set | None = None) -> float:
+    def forward(self, nbytes: float, src: Layout, dst: Layout, bucketed: bool = False, used: dict | None = None) -> float:
         total = 0.0
         for m, n in enumerate(self.sizes):
             kind = _move_kind(_name(src[m]), _name(dst[m]))
@@ -177,7 +204,7 @@ class Costs:
         return total
 
     def backward(self, nbytes: float, src: Layout, dst: Layout, varying: tuple[bool, ...],
-                 bucketed: bool = False, used: set | None = None) -> tuple[float, list[int]]:
+                 bucketed: bool = False, used: dict | None = None) -> tuple[float, list[int]]:
         """Transposes of the move src -> dst, and the mesh dims whose reduction the value owes."""
         total, owed = 0.0, []
         for m, n in enumerate(self.sizes):
@@ -192,7 +219,7 @@ class Costs:
                 total += self.collective(kind, self.payload(nbytes, src, dst, m), n, bucket, used)
         return total, owed
 
-    def reduction(self, nbytes: float, layout: Layout, m: int, bucketed: bool = False, used: set | None = None) -> float:
+    def reduction(self, nbytes: float, layout: Layout, m: int, bucketed: bool = False, used: dict | None = None) -> float:
         bucket = ("backward", Kind.ALL_REDUCE, m) if bucketed else None
         return self.collective(Kind.ALL_REDUCE, self.payload(nbytes, layout, layout, m), self.sizes[m], bucket, used)
 
@@ -334,6 +361,9 @@ def build_ops(gm: fx.GraphModule, mesh: DeviceMesh, model: CostModel, storage_of
         value = value_of(node)
         if isinstance(value, (tuple, list)) and any(isinstance(v, DTensor) for v in value):
             raise UnsupportedError(f"layout solver: {node.name} returns several DTensors; not supported yet")
+        if node.op == "call_function" and node.target in FIXED_READS:
+            ops[node] = _fixed_reads(node, value_of, mesh)
+            continue
         if not isinstance(value, DTensor):
             continue
         layout = tuple(value.placements)
@@ -356,6 +386,16 @@ def build_ops(gm: fx.GraphModule, mesh: DeviceMesh, model: CostModel, storage_of
         else:
             ops[node] = _probe_op(gm, node, slots, value, mesh, model, storage_of, ops)
     return list(ops.values())
+
+
+def _fixed_reads(node: fx.Node, value_of, mesh: DeviceMesh) -> Op:
+    """A sink or an op that moves its own inputs: one strategy, its reads fixed (the edges pay the moves)."""
+    slots = [a for a in node.all_input_nodes if isinstance(value_of(a), DTensor)]
+    layout = FIXED_READS[node.target](node, mesh)
+    value = value_of(node) if isinstance(value_of(node), DTensor) else value_of(slots[0])
+    strategy = Strategy(tuple(layout for _ in slots), layout, (False,) * mesh.ndim, 0.0, 0.0)
+    why = "the layout the caller receives" if node.target is dtensor_ops.to_output else "run replicated (no DTensor rule)"
+    return Op(node, slots, [strategy], fixed=why, requires_grad=bool(value.requires_grad), value=value)
 
 
 def _storage_choices(node: fx.Node, value: DTensor, mesh: DeviceMesh) -> Op:
@@ -384,7 +424,10 @@ def _probe_op(gm, node, slots, value, mesh, model: CostModel, storage_of, ops: d
     inputs = [value_of(s) for s in slots]
     flops = _flops(node, inputs, value)
     touched = sum(_nbytes(v) for v in inputs) + _nbytes(value)
+    partial_ok = _op_name(node) in PARTIAL_OK
     for layouts in itertools.product(*per_slot):
+        if not partial_ok and any(isinstance(p, Partial) for lay in layouts for p in lay):
+            continue
         out = probe(gm, node, slots, layouts, value_of)
         if out is None:
             continue
@@ -402,8 +445,10 @@ def _probe_op(gm, node, slots, value, mesh, model: CostModel, storage_of, ops: d
 
 
 def _source(node: fx.Node) -> str:
-    trace = (node.meta.get("stack_trace") or "?").strip().splitlines()
-    return trace[-1].strip() if trace else "?"
+    """The user's line that made `node` (the last code line of its stack trace)."""
+    lines = [l.strip() for l in (node.meta.get("stack_trace") or "").splitlines()]
+    code = [l for l in lines if l and not set(l) <= set("^~ ") and not l.startswith("File ")]
+    return code[-1] if code else "?"
 
 
 # ----------------------------------------------------------------------------- the integer program
@@ -463,7 +508,7 @@ def _key(s: Strategy, slot: int) -> tuple:
     return (s.inputs[slot], s.varying)
 
 
-def _edge_cost(costs: Costs, e: _Edge, out: Layout, key: tuple, used: set | None = None) -> tuple[float, float, list[int]]:
+def _edge_cost(costs: Costs, e: _Edge, out: Layout, key: tuple, used: dict | None = None) -> tuple[float, float, list[int]]:
     """Forward and backward seconds of the edge, and the mesh dims whose reduction its value owes.
 
     Moves of a parameter are bucketed: they add their bucket to `used`.
@@ -486,7 +531,13 @@ def _moved_bytes(costs: Costs, e: _Edge, out: Layout, key: tuple) -> float:
     return _nbytes(e.producer.value) / math.prod(_factor(p, n) for p, n in zip(q, costs.sizes))
 
 
-def _reduction(costs: Costs, op: Op, layout: Layout, m: int, used: set | None = None) -> float:
+def _bucket_order(bucket: tuple) -> tuple:
+    """A bucket's sort key, the same in every process (no hashes, no ids)."""
+    direction, kind, m = bucket
+    return (direction, kind.value, m)
+
+
+def _reduction(costs: Costs, op: Op, layout: Layout, m: int, used: dict | None = None) -> float:
     return costs.reduction(_nbytes(op.value), layout, m, op.is_parameter, used)
 
 
@@ -516,9 +567,9 @@ def solve(ops: list[Op], costs: Costs, *, memory_weight: float = 0.0, memory_bud
         """var >= the sum of `on` (binaries of which at most one is set)."""
         prog.row({var: 1.0, **{v: -c for v, c in on.items()}}, 0.0, np.inf)
 
-    def in_buckets(used: set, on: dict[int, float]) -> None:
+    def in_buckets(used: dict, on: dict[int, float]) -> None:
         """Choosing `on` puts collectives in these buckets: each bucket pays its latency once."""
-        for b in used:
+        for b in sorted(used, key=_bucket_order):  # variables in an order every rank shares
             if b not in bucket_vars:
                 bucket_vars[b] = prog.var(costs.bucket_latency(b))
             at_least(bucket_vars[b], on)
@@ -527,7 +578,7 @@ def solve(ops: list[Op], costs: Costs, *, memory_weight: float = 0.0, memory_bud
         """The value `pi` (written as `out`) owes one reduction on mesh dim m when `on` is chosen."""
         k = (pi, out, m)
         if k not in owed_vars:
-            used: set = set()
+            used: dict = {}
             owed_vars[k] = prog.var(_reduction(costs, ops[pi], out, m, used), integral=False)
             in_buckets(used, {owed_vars[k]: 1.0})
         at_least(owed_vars[k], on)
@@ -540,7 +591,7 @@ def solve(ops: list[Op], costs: Costs, *, memory_weight: float = 0.0, memory_bud
         key_vars = {k: {y[ci, j]: 1.0 for j, s in enumerate(e.consumer.strategies) if _key(s, e.slot) == k} for k in keys}
         pairs: dict[tuple, int] = {}
         for o, k in itertools.product(outs, keys):
-            used: set = set()
+            used: dict = {}
             fw, bw, owed = _edge_cost(costs, e, o, k, used)
             moved = _moved_bytes(costs, e, o, k)
             cost = fw + bw + memory_weight * moved
@@ -601,17 +652,17 @@ def _over_budget(ops: list[Op], budget: float, least: float | None = None) -> st
 def total_cost(ops: list[Op], costs: Costs, choice: dict[fx.Node, Strategy], memory_weight: float) -> float:
     """The model's cost of a complete choice (what the integer program minimizes)."""
     total = sum(_own_cost(choice[op.node], memory_weight) for op in ops)
-    owed: set[tuple[fx.Node, int]] = set()
-    used: set = set()
+    owed: dict[tuple[fx.Node, int], None] = {}  # ordered: the sum is the same on every rank
+    used: dict = {}
     for e in _edges(ops):
         out = choice[e.producer.node].output
         key = _key(choice[e.consumer.node], e.slot)
         fw, bw, dims = _edge_cost(costs, e, out, key, used)
         total += fw + bw + memory_weight * _moved_bytes(costs, e, out, key)
-        owed.update((e.producer.node, m) for m in dims)
+        owed.update(dict.fromkeys((e.producer.node, m) for m in dims))
     by_node = {op.node: op for op in ops}
     total += sum(_reduction(costs, by_node[n], choice[n].output, m, used) for n, m in owed)
-    return total + sum(costs.bucket_latency(b) for b in used)
+    return total + sum(costs.bucket_latency(b) for b in sorted(used, key=_bucket_order))
 
 
 def greedy(ops: list[Op], costs: Costs, memory_weight: float) -> dict[fx.Node, Strategy]:

@@ -48,6 +48,11 @@ class Options:
       whose all_reduce spends 10% of its time on latency; about 1 MiB on gloo).
     max_in_flight_mb: bound on bytes of collectives started but not yet
       waited on (default 64).
+    check: refinement check (default False; the tests turn it on): on the first
+      call the compiled program and the logical program (the single-device
+      program Dynamo traced, run whole on every rank) run on the same inputs
+      and a random cotangent; an output or gradient that differs beyond fp32
+      tolerance is a CheckError naming it and its layout.
     mode: torch.compile's `mode=`, recorded in the report (not yet acted on).
     """
 
@@ -63,6 +68,7 @@ class Options:
     schedule: bool = True
     bucket_cap_mb: float | None = None
     max_in_flight_mb: float = 64.0
+    check: bool = False
     mode: str | None = None
 
     @classmethod
@@ -82,7 +88,7 @@ class Options:
         inner = options.get("inner", "eager")
         if inner not in INNER:
             raise OptionsError(f"backend 'hca': options['inner']={inner!r}; use one of {INNER}")
-        for key in ("strict", "rank_rewrites", "schedule"):
+        for key in ("strict", "rank_rewrites", "schedule", "check"):
             if not isinstance(options.get(key, False), bool):
                 raise OptionsError(f"backend 'hca': options[{key!r}] must be a bool, got {options[key]!r}")
         layout = options.get("layout", "solve")
@@ -110,6 +116,7 @@ class Options:
             inner=inner, strict=options.get("strict", False), debug_dir=debug_dir,
             rank_rewrites=options.get("rank_rewrites", False), layout=layout,
             cost_model=tuple(sorted(overrides.items())), schedule=options.get("schedule", True),
+            check=options.get("check", False),
             mode=mode, **numbers,
         )
 

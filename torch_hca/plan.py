@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_map
 
 from .errors import MeshError, PlacementError, PlanError
 from .mesh import current_mesh
+from .logical import Holder, call_logically, mesh_id
 from .rewrites import DTensorRewrites
 
 Layout = tuple[Placement, ...]
@@ -120,6 +121,7 @@ class ShardingSpec:
     outputs: Layout
     per_argument: bool
     grad_roles: Mapping[str, str]
+    mesh_index: int = 0  # the mesh's index for torch_hca.logical's marker ops
 
     def input_layout(self, index: int | None) -> Layout | None:
         if not self.per_argument:
@@ -216,20 +218,29 @@ def _io_layout(value: Any, mesh: DeviceMesh, what: str) -> Layout:
 
 
 def _distribute(module: nn.Module, spec: ShardingSpec) -> None:
-    """Replace each parameter and buffer by a DTensor laid out as the spec says."""
-    for qualified, layout in spec.params.items():
+    """Replace each parameter by a DTensor laid out as the spec says; buffers stay plain.
+
+    A parameter shared under several names (tied embeddings) is replaced under
+    every name by the same DTensor, so it keeps one gradient. Buffers are
+    replicated by nature: every rank starts from rank 0's values.
+    """
+    new: dict[int, nn.Parameter] = {}
+    first_name = {id(p): name for name, p in module.named_parameters()}
+    for qualified, old in list(module.named_parameters(remove_duplicate=False)):
         owner_name, _, leaf = qualified.rpartition(".")
         owner = module.get_submodule(owner_name)
-        old = getattr(owner, leaf)
-        # src_data_rank=0 (the default): every rank starts from rank 0's values.
-        new = nn.Parameter(distribute_tensor(old.detach(), spec.mesh, layout), requires_grad=old.requires_grad)
-        setattr(owner, leaf, new)
-        _PARAM_INFO[new] = (qualified, spec.grad_roles[qualified])
+        if id(old) not in new:
+            name = first_name[id(old)]
+            # src_data_rank=0 (the default): every rank starts from rank 0's values.
+            param = nn.Parameter(distribute_tensor(old.detach(), spec.mesh, spec.params[name]), requires_grad=old.requires_grad)
+            _PARAM_INFO[param] = (name, spec.grad_roles[name])
+            new[id(old)] = param
+        setattr(owner, leaf, new[id(old)])
     replicated = (Replicate(),) * spec.mesh.ndim
     for qualified, buf in list(module.named_buffers()):
         owner_name, _, leaf = qualified.rpartition(".")
         owner = module.get_submodule(owner_name)
-        owner._buffers[leaf] = distribute_tensor(buf, spec.mesh, replicated)
+        owner._buffers[leaf] = distribute_tensor(buf, spec.mesh, replicated).to_local()
 
 
 def _wrap_forward(forward):
@@ -238,14 +249,31 @@ def _wrap_forward(forward):
         spec: ShardingSpec | None = getattr(self, "_hca_spec", None)
         if spec is None:  # a subclass the decorator did not shard
             return forward(self, *args, **kwargs)
+        if torch.compiler.is_compiling() and not self.__dict__.get("_hca_dtensor_trace"):
+            # Dynamo traces the single-device program; the backend places it (DESIGN.md section 2).
+            return call_logically(self, spec, args, kwargs)
         args = tuple(tree_map(lambda t, i=i: spec.to_dtensor(t, i), a) for i, a in enumerate(args))
         kwargs = tree_map(lambda t: spec.to_dtensor(t, None), kwargs)
+        replicated = (Replicate(),) * spec.mesh.ndim
+        buffers = {f"inner.{name}": DTensor.from_local(b, spec.mesh, replicated, run_check=False)
+                   for name, b in self.named_buffers()}  # views: in-place updates reach the buffers
         with DTensorRewrites():
-            out = forward(self, *args, **kwargs)
+            out = torch.func.functional_call(self.__dict__["_hca_logical"], buffers, args, kwargs, strict=False)
         return tree_map(spec.to_local, out)
 
     sharded_forward._hca_wrapped = True
     return sharded_forward
+
+
+def trace_over_dtensor(module: nn.Module) -> nn.Module:
+    """Let Dynamo trace `module` over its DTensors, as torch.compile does without hca.
+
+    For baselines (the bench's DTensor + Inductor contestant). The hca backend
+    still compiles such a graph, but it inherits DTensor's limits: every value
+    made in ``forward`` must be a DTensor, and DTensor's choices come first.
+    """
+    module.__dict__["_hca_dtensor_trace"] = True
+    return module
 
 
 def _resolve_roles(module: nn.Module, grad_reduction: Any) -> dict[str, str]:
@@ -281,9 +309,13 @@ def _shard_instance(module: nn.Module, plan, mesh, inputs, outputs, grad_reducti
         outputs=_io_layout(outputs, mesh, "outputs"),
         per_argument=per_argument,
         grad_roles=_resolve_roles(module, grad_reduction),
+        mesh_index=mesh_id(mesh),
     )
     _distribute(module, spec)
     module._hca_spec = spec
+    forward = type(module).forward
+    # The user's own forward, called on the module with its parameters swapped (torch_hca.logical).
+    module.__dict__["_hca_logical"] = Holder(module, getattr(forward, "__wrapped__", forward))
     return module
 
 

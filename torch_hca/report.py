@@ -75,6 +75,7 @@ class PassRecord:
     writes: str
     changed: bool
     decisions: list[str] = field(default_factory=list)
+    seconds: float = 0.0  # wall time of the pass (compile-time profile)
 
 
 @dataclass
@@ -93,6 +94,8 @@ class GraphReport:
     collectives: list[CollectiveRecord] = field(default_factory=list)
     redistributions: list[Redistribution] = field(default_factory=list)
     implicit_redistributions: list[str] = field(default_factory=list)
+    run_replicated: list[str] = field(default_factory=list)  # ops DTensor has no rule for (lift pass)
+    refinement: dict[str, float] | None = None  # option check: relative error of each output and gradient
     parameters: dict[str, dict[str, Any]] = field(default_factory=dict)
     values: dict[str, dict[str, Any]] = field(default_factory=dict)
     passes: list[PassRecord] = field(default_factory=list)

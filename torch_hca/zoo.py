@@ -106,6 +106,32 @@ class TinyLM(nn.Module):
         return self.head(self.norm(x))
 
 
+class GPT(nn.Module):
+    """A GPT-style language model written as one would for one device.
+
+    Learned positions from ``torch.arange`` inside ``forward``, causal
+    attention, and the output projection tied to the token embedding (one
+    parameter read twice): what a sharded front end must handle without help.
+    """
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, hidden: int = 64, layers: int = 2,
+                 max_len: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(max_len, dim)
+        self.blocks = nn.ModuleList(TransformerBlock(dim, heads, hidden) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+    def forward(self, ids):
+        positions = torch.arange(ids.size(1), device=ids.device)
+        x = self.embed(ids) + self.pos(positions)[None]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
 def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of each position's logits against the next token."""
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
@@ -113,6 +139,9 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 # Every block as TP_BLOCK; embedding, norms and LM head replicated.
 TP_LM = {f"blocks.*.{name}": placement for name, placement in TP_BLOCK.items()}
+
+# GPT: every block Megatron, embeddings (tied to the head) and norms replicated.
+TP_GPT = TP_LM
 
 # FSDP-style storage: every parameter split on its first dimension (use with
 # a batch split the same way, `inputs=Shard(0)`).
