@@ -21,7 +21,7 @@ from .mesh import init_mesh
 from .plan import sharded
 from .report import report
 
-VOCAB, DIM, HEADS, HIDDEN, LAYERS, BATCH, SEQ, STEPS = 128, 64, 4, 256, 2, 4, 16, 5
+VOCAB, DIM, HEADS, HIDDEN, LAYERS, BATCH, SEQ, STEPS = 128, 128, 4, 512, 2, 2, 16, 5
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
