@@ -357,3 +357,37 @@ def calibrated() -> dict[str, Any]:
     figures = hca.calibrate(repeats=3)
     Options.parse({"cost_model": figures})  # raises if a figure is not acceptable
     return figures
+
+
+class OneConv(nn.Module):
+    """A single replicated Conv2d: DTensor's rule for it accepts a partial weight and bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+def conv_data_parallel(trust_dtensor_conv_rule: bool) -> dict[str, Any]:
+    """A data-parallel conv against one device; optionally trusting DTensor's conv rule with
+    Partial inputs (the solver then reads the weight and bias as summands and each rank
+    computes conv(x, W/n) + b/n), to show the refinement check stops that program."""
+    from torch_hca import layout_solver
+    from torch_hca.errors import CheckError
+
+    if trust_dtensor_conv_rule:
+        layout_solver.PARTIAL_OK.add("conv2d")
+    try:
+        case = Case(OneConv, {}, lambda ws: ((ws,), ("dp",)), Shard(0), Shard(0), (4, 3, 8, 8))
+        mesh, ref, model, compiled = setup(case)
+        x = torch.randn(case.x_shape)
+        try:
+            out = compiled(local_piece(x, mesh, case.inputs))
+        except CheckError as e:
+            return {"check_error": str(e)}
+        reads = [row["reads"] for g in hca.report(compiled).graphs for row in g.layout.get("values", []) if row["reads"]]
+        return {"out_err": rel_err(full(out, mesh, case.outputs), ref(x)), "reads": reads}
+    finally:
+        layout_solver.PARTIAL_OK.discard("conv2d")

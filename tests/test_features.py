@@ -49,3 +49,16 @@ def test_inner_inductor(worlds):
     r = worlds(2).run(dist_cases.inner, "inductor")[0]
     assert r["out_err"] <= TOL and r["grad_err"] <= TOL
     assert r["has_c10d_graphs"]
+
+
+@pytest.mark.parametrize("trust", [False, True])
+def test_conv_partial_reads_are_never_offered_and_the_check_stops_them(worlds, trust):
+    """DTensor's conv rule says conv(x, W as P, b as P) is P: each rank computes conv(x, W/n) + b/n,
+    and the sum is wrong. The solver never offers Partial reads to ops outside PARTIAL_OK; if it
+    did (trust=True, the behaviour before), the refinement check raises on the first call."""
+    r = worlds(2).run(dist_cases.conv_data_parallel, trust)[0]
+    if trust:
+        assert "output 0" in r["check_error"] and "differs from the single-device program" in r["check_error"]
+    else:
+        assert r["out_err"] <= TOL
+        assert r["reads"] and all("P" not in layout for row in r["reads"] for layout in row)

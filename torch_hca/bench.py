@@ -41,7 +41,7 @@ from .calibrate import calibrate as hca_calibrate
 from .collective_kinds import Kind, bytes_per_rank
 from .launch import launch
 from .mesh import init_mesh
-from .plan import sharded
+from .plan import sharded, trace_over_dtensor
 from .report import report
 from .step_profile import StepProfile
 

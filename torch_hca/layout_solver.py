@@ -78,6 +78,12 @@ PARTIAL_OK = {"add", "iadd", "sub", "isub", "neg", "mul", "imul", "truediv", "di
               "float", "type_as"}
 
 
+# Ops whose DTensor rules are not trusted with any split: read whole on every rank. Batch
+# norm's rule accepts channel-split inputs with replicated running statistics (the local op
+# then fails), and a batch split would normalize each rank's rows by their own statistics.
+REPLICATED_ONLY = {"batch_norm", "instance_norm"}
+
+
 def _op_name(node: fx.Node) -> str:
     t = node.target
     return t if isinstance(t, str) else getattr(t, "__name__", "")
@@ -412,6 +418,8 @@ def _storage_choices(node: fx.Node, value: DTensor, mesh: DeviceMesh) -> Op:
 def _probe_op(gm, node, slots, value, mesh, model: CostModel, storage_of, ops: dict[fx.Node, Op]) -> Op:
     value_of = lambda n: n.meta.get("example_value")
     per_slot = [candidate_layouts(value_of(s), mesh, storage_of(s)) for s in slots]
+    if _op_name(node) in REPLICATED_ONLY:
+        per_slot = [[(Replicate(),) * mesh.ndim] for _ in slots]
     if math.prod(len(c) for c in per_slot) > MAX_COMBOS:
         narrowed = []
         for s, cands in zip(slots, per_slot):

@@ -103,8 +103,7 @@ class Lifted:
                 if node in self.erased:  # a getitem replaced while splitting an op above
                     continue
                 self._lift(node)
-        graph.eliminate_dead_code()
-        return True
+        return True  # no dead-code pass: in-place updates of buffers have no users and must stay
 
     # --------------------------------------------------------------------- one node
 
