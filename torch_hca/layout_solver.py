@@ -82,6 +82,10 @@ PARTIAL_OK = {"add", "iadd", "sub", "isub", "neg", "mul", "imul", "truediv", "di
 # norm's rule accepts channel-split inputs with replicated running statistics (the local op
 # then fails), and a batch split would normalize each rank's rows by their own statistics.
 REPLICATED_ONLY = {"batch_norm", "instance_norm"}
+# Ops whose DTensor rule is trusted only for a batch split of the first input (the rest whole):
+# the convolution rule also accepts a channel-split weight with a whole bias (the local op fails)
+# and partial weights (wrong sums).
+BATCH_SPLIT_ONLY = {"conv1d", "conv2d", "conv3d"}
 
 
 def _op_name(node: fx.Node) -> str:
@@ -420,6 +424,9 @@ def _probe_op(gm, node, slots, value, mesh, model: CostModel, storage_of, ops: d
     per_slot = [candidate_layouts(value_of(s), mesh, storage_of(s)) for s in slots]
     if _op_name(node) in REPLICATED_ONLY:
         per_slot = [[(Replicate(),) * mesh.ndim] for _ in slots]
+    elif _op_name(node) in BATCH_SPLIT_ONLY:
+        whole = (Replicate(),) * mesh.ndim
+        per_slot = [[c for c in per_slot[0] if all(isinstance(p, (Replicate, Shard)) and (isinstance(p, Replicate) or p.dim == 0) for p in c)]] + [[whole] for _ in slots[1:]]
     if math.prod(len(c) for c in per_slot) > MAX_COMBOS:
         narrowed = []
         for s, cands in zip(slots, per_slot):
