@@ -379,6 +379,7 @@ def conv_data_parallel(trust_dtensor_conv_rule: bool) -> dict[str, Any]:
 
     if trust_dtensor_conv_rule:
         layout_solver.PARTIAL_OK.add("conv2d")
+        layout_solver.BATCH_SPLIT_ONLY.discard("conv2d")
     try:
         case = Case(OneConv, {}, lambda ws: ((ws,), ("dp",)), Shard(0), Shard(0), (4, 3, 8, 8))
         mesh, ref, model, compiled = setup(case)
@@ -391,3 +392,4 @@ def conv_data_parallel(trust_dtensor_conv_rule: bool) -> dict[str, Any]:
         return {"out_err": rel_err(full(out, mesh, case.outputs), ref(x)), "reads": reads}
     finally:
         layout_solver.PARTIAL_OK.discard("conv2d")
+        layout_solver.BATCH_SPLIT_ONLY.add("conv2d")

@@ -155,7 +155,8 @@ def forward(
     gelu = torch._C._nn.gelu(linear)
     redistribute = torch_hca_dtensor_ops_redistribute(reduce_gradient_eagerly, (Partial('sum'),))
     out = torch._C._nn.linear(gelu, l_self_modules_fc2_parameters_weight_, redistribute)
-    to_output = torch_hca_dtensor_ops_to_output(out, (Replicate(),))
+    redistribute_1 = torch_hca_dtensor_ops_redistribute(out, (Replicate(),))
+    to_output = torch_hca_dtensor_ops_to_output(redistribute_1, (Replicate(),))
     return (to_output,)""")
 
     def test_mlp_forward_graph(self):
@@ -287,7 +288,8 @@ def forward(
     redistribute_2 = torch_hca_dtensor_ops_redistribute(reduce_gradient_eagerly_4, (Partial('sum'),))
     linear_5 = torch._C._nn.linear(gelu, l_self_modules_mlp_modules_fc2_parameters_weight_, redistribute_2)
     out = x + linear_5
-    to_output = torch_hca_dtensor_ops_to_output(out, (Replicate(),))
+    redistribute_3 = torch_hca_dtensor_ops_redistribute(out, (Replicate(),))
+    to_output = torch_hca_dtensor_ops_to_output(redistribute_3, (Replicate(),))
     return (to_output,)""")
         self.assertEqual(r.collective_counts("forward"), {"all_reduce": 2})
         self.assertEqual(r.collective_counts("backward"), {"all_reduce": 2})
