@@ -39,6 +39,7 @@ from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from torch_hca import attention as hca_attention
 from torch_hca._torch_private import record_implicit_redistributions
 
 try:  # only to stop at the first implicit move instead of performing it: a speed-up
@@ -118,6 +119,13 @@ FAMILIES: tuple[Family, ...] = (
     Family("cross_entropy", F.cross_entropy, (Arg((B * S, V)), Arg((B * S,), index_high=V))),
     Family("cross_entropy_sum", lambda x, t: F.cross_entropy(x, t, reduction="sum"),
            (Arg((B * S, V)), Arg((B * S,), index_high=V))),
+)
+# The zoo's own ops: hca::attention (grouped-query heads, an additive [b, 1, L, S] mask) and a
+# convolution, whose DTensor rule the layout solver restricts (layout_solver.BATCH_SPLIT_ONLY).
+FAMILIES += (
+    Family("hca_attention_gqa_mask", lambda q, k, v, m: hca_attention.sdpa(q, k, v, attn_mask=m, enable_gqa=True),
+           (Arg((B, H, S, 2)), Arg((B, 2, S, 2)), Arg((B, 2, S, 2)), Arg((B, 1, S, S)))),
+    Family("conv2d", lambda x, w, b: F.conv2d(x, w, b, padding=1), (Arg((B, 2, 4, 4)), Arg((4, 2, 3, 3)), Arg((4,)))),
 )
 BY_NAME = {f.name: f for f in FAMILIES}
 
