@@ -16,7 +16,6 @@ explicit (a move inside a composite op) is reported, and is an error under
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any
 
@@ -26,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from torch_hca import dtensor_ops, layout_solver
 from torch_hca._torch_private import (
-    RedistributionEvent, clear_dtensor_sharding_cache, fake_mode_of, graph_arg_example, record_implicit_redistributions,
+    RedistributionEvent, fake_dtensor_work, graph_arg_example, record_implicit_redistributions,
 )
 from torch_hca.errors import UnsupportedError
 from torch_hca.plan import parameter_name
@@ -68,14 +67,9 @@ class LayoutPass:
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         placeholders = gm.graph.find_nodes(op="placeholder")
-        fake_mode = fake_mode_of([n.meta.get("example_value") for n in placeholders])
-        try:
-            with fake_mode if fake_mode is not None else contextlib.nullcontext():
-                decisions = self._solve(gm, ctx) if ctx.options.layout == "solve" else []
-                implicit = self._rewrite(gm, ctx)
-        finally:
-            # Probes ran DTensor on fake tensors; its sharding cache must not hand those to eager code.
-            clear_dtensor_sharding_cache()
+        with fake_dtensor_work([n.meta.get("example_value") for n in placeholders]):
+            decisions = self._solve(gm, ctx) if ctx.options.layout == "solve" else []
+            implicit = self._rewrite(gm, ctx)
         if ctx.options.layout == "dtensor":
             ctx.report.layout = {"solver": "none (DTensor's per-op choices)"}
         # After the solver, a move DTensor still wanted means a strategy it mis-predicted.

@@ -135,9 +135,7 @@ def _offered(name: str, combo) -> bool:
     """
     if name not in layout_solver.BATCH_SPLIT_ONLY:
         return True
-    first, *rest = combo
-    batch = all(isinstance(p, Replicate) or isinstance(p, Shard) and p.dim == 0 for p in first)
-    return batch and all(isinstance(p, Replicate) for layout in rest for p in layout)
+    return all(layout_solver.offered_read(name, i, tuple(layout)) for i, layout in enumerate(combo))
 
 
 # -------------------------------------------- the checker itself can fail

@@ -127,6 +127,41 @@ def test_fake_mode_of(fake_pg):
     assert tp.fake_mode_of([local]) is mode  # a plain fake tensor too
 
 
+def test_fake_dtensor_work_enters_the_mode_and_clears_the_sharding_cache(fake_pg, monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    mode = FakeTensorMode()
+    with mode:
+        local = torch.empty(2, 4)
+    cleared = []
+    monkeypatch.setattr(tp, "clear_dtensor_sharding_cache", lambda: cleared.append(True))
+    with pytest.raises(RuntimeError, match="boom"):
+        with tp.fake_dtensor_work([None, local]):
+            assert isinstance(torch.empty(3), FakeTensor)
+            raise RuntimeError("boom")
+    assert cleared == [True]  # on errors too
+    with tp.fake_dtensor_work([torch.ones(2)]):  # no fake values: no mode
+        assert not isinstance(torch.empty(3), FakeTensor)
+    assert cleared == [True, True]
+
+
+def test_copy_graph_module_under_an_active_fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class WithConstant(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.arange(4.0))
+
+        def forward(self, x):
+            return x + self.table
+
+    gm = fx.symbolic_trace(WithConstant())
+    with FakeTensorMode():
+        copy = tp.copy_graph_module(gm)
+    assert copy is not gm and torch.equal(copy.table, gm.table) and type(copy.table) is torch.Tensor
+
+
 def test_redistribute_to_partial(fake_pg):
     x = distribute_tensor(torch.randn(8, 4), fake_pg, [Replicate()]).requires_grad_()
     # What the wrapper is for: the public API refuses the move.

@@ -113,6 +113,23 @@ def copy_graph_module(gm):
         return copy.deepcopy(gm)
 
 
+@contextlib.contextmanager
+def fake_dtensor_work(values):
+    """Run DTensor on a traced graph's fake `values`: under their FakeTensorMode (if any), and
+    forgetting on exit what DTensor's sharding cache learned meanwhile.
+
+    The cache keeps state, not only placements: a vocabulary-sharded embedding's
+    `_MaskPartial` keeps the fake mask a probe made, and a later eager embedding of the
+    same shapes trips on it ("Please convert all Tensors to FakeTensors first").
+    """
+    mode = fake_mode_of(values)
+    try:
+        with mode if mode is not None else contextlib.nullcontext():
+            yield
+    finally:
+        clear_dtensor_sharding_cache()
+
+
 def fake_mode_of(values):
     """The FakeTensorMode that made these fake values (DTensors: their local part), if any."""
     from torch._subclasses.fake_tensor import FakeTensor

@@ -10,9 +10,7 @@ parameter costs memory for itself, its gradient and two optimizer moments;
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
 from typing import Any
 
 import torch
@@ -21,34 +19,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate
 
 from . import layout_solver
-from ._torch_private import clear_dtensor_sharding_cache, fake_mode_of, graph_arg_example
+from ._torch_private import fake_dtensor_work, graph_arg_example
 from .errors import HCAError, PlanError
 from .lifting import lift
 from .options import Options
 from .plan import parameter_name, sharded
 
 
-def _forgets_dtensor_decisions(fn):
-    """Clear DTensor's sharding cache when `fn` returns or raises.
-
-    The solver's probes run DTensor ops on fake tensors, and DTensor caches what they
-    decide, state included: a vocabulary-sharded embedding's `_MaskPartial` keeps the
-    fake mask its probe made and never reduced, so a later eager DTensor embedding of
-    the same shapes compares its real mask with it and fails ("Please convert all
-    Tensors to FakeTensors first").
-    """
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            clear_dtensor_sharding_cache()
-
-    return wrapper
-
-
-@_forgets_dtensor_decisions
 def plan(
     model: nn.Module,
     example_inputs: tuple | list,
@@ -76,9 +53,9 @@ def plan(
     gm, names = _dynamo_graph(replicated, tuple(example_inputs))
     mesh = replicated._hca_spec.mesh
     costs = opts.costs(mesh.device_type)
-    fake = fake_mode_of([n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")])
     lift(gm)  # the logical program as a DTensor program, parameter placeholders kept
-    with fake if fake is not None else contextlib.nullcontext():
+    # Probing on fake DTensors; DTensor's sharding cache is cleared afterwards (even on errors).
+    with fake_dtensor_work([n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]):
         ops = layout_solver.build_ops(gm, mesh, costs, lambda node: None, free_storage=lambda node: node in names)
     solution = layout_solver.solve(
         ops, layout_solver.Costs(mesh, costs), memory_weight=opts.memory_weight,

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ._torch_private import redistribute_to_partial
 from .errors import UnsupportedError
-from .logical import mesh_of
+from .logical import contiguous_stride, mesh_of
 
 
 def redistribute(x: DTensor, placements: tuple[Placement, ...]) -> DTensor:
@@ -31,12 +31,8 @@ def redistribute(x: DTensor, placements: tuple[Placement, ...]) -> DTensor:
 
 def from_local(local: torch.Tensor, mesh: int, placements: tuple[Placement, ...], shape: list[int]) -> DTensor:
     """A forward argument (this rank's piece) as the DTensor it belongs to: the input's stated layout."""
-    strides, step = [], 1
-    for size in reversed(shape):  # contiguous strides, symbolic sizes allowed
-        strides.insert(0, step)
-        step = step * size
     return DTensor.from_local(local, mesh_of(mesh), placements, run_check=False, shape=torch.Size(shape),
-                              stride=tuple(strides))
+                              stride=contiguous_stride(shape))
 
 
 def replicate(t: torch.Tensor, mesh: int) -> DTensor:

@@ -54,6 +54,7 @@ from ._torch_private import record_implicit_redistributions
 from .collective_kinds import Kind
 from .cost_model import CostModel
 from .errors import PlanError, UnsupportedError
+from .logical import local_shape
 
 Layout = tuple[Placement, ...]
 PARAMETER = "parameter storage"
@@ -88,7 +89,18 @@ REPLICATED_ONLY = {"batch_norm", "instance_norm"}
 BATCH_SPLIT_ONLY = {"conv1d", "conv2d", "conv3d"}
 
 
-def _op_name(node: fx.Node) -> str:
+def offered_read(name: str, slot: int, layout: Layout) -> bool:
+    """Whether op `name` may read its `slot`-th DTensor input in `layout`: where its DTensor
+    rule is trusted (PARTIAL_OK, REPLICATED_ONLY, BATCH_SPLIT_ONLY above)."""
+    whole = all(isinstance(p, Replicate) for p in layout)
+    if name in REPLICATED_ONLY:
+        return whole
+    if name in BATCH_SPLIT_ONLY:
+        return whole or slot == 0 and all(isinstance(p, Replicate) or isinstance(p, Shard) and p.dim == 0 for p in layout)
+    return name in PARTIAL_OK or not any(isinstance(p, Partial) for p in layout)
+
+
+def op_name(node: fx.Node) -> str:
     t = node.target
     return t if isinstance(t, str) else getattr(t, "__name__", "")
 
@@ -273,11 +285,7 @@ def _divides(size: Any, n: int) -> bool:
 
 def _fake_dtensor(like: DTensor, layout: Layout) -> DTensor:
     mesh = like.device_mesh
-    local = list(like.shape)
-    for m, p in enumerate(layout):
-        if isinstance(p, Shard):
-            local[p.dim] //= mesh.shape[m]
-    data = torch.empty(local, dtype=like.dtype, device=like._local_tensor.device)
+    data = torch.empty(local_shape(like.shape, layout, mesh.shape), dtype=like.dtype, device=like._local_tensor.device)
     return DTensor.from_local(data, mesh, layout, run_check=False, shape=like.shape, stride=like.stride())
 
 
@@ -422,11 +430,8 @@ def _storage_choices(node: fx.Node, value: DTensor, mesh: DeviceMesh) -> Op:
 def _probe_op(gm, node, slots, value, mesh, model: CostModel, storage_of, ops: dict[fx.Node, Op]) -> Op:
     value_of = lambda n: n.meta.get("example_value")
     per_slot = [candidate_layouts(value_of(s), mesh, storage_of(s)) for s in slots]
-    if _op_name(node) in REPLICATED_ONLY:
-        per_slot = [[(Replicate(),) * mesh.ndim] for _ in slots]
-    elif _op_name(node) in BATCH_SPLIT_ONLY:
-        whole = (Replicate(),) * mesh.ndim
-        per_slot = [[c for c in per_slot[0] if all(isinstance(p, (Replicate, Shard)) and (isinstance(p, Replicate) or p.dim == 0) for p in c)]] + [[whole] for _ in slots[1:]]
+    name = op_name(node)
+    per_slot = [[c for c in cands if offered_read(name, i, c)] for i, cands in enumerate(per_slot)]
     if math.prod(len(c) for c in per_slot) > MAX_COMBOS:
         narrowed = []
         for s, cands in zip(slots, per_slot):
@@ -439,10 +444,7 @@ def _probe_op(gm, node, slots, value, mesh, model: CostModel, storage_of, ops: d
     inputs = [value_of(s) for s in slots]
     flops = _flops(node, inputs, value)
     touched = sum(_nbytes(v) for v in inputs) + _nbytes(value)
-    partial_ok = _op_name(node) in PARTIAL_OK
     for layouts in itertools.product(*per_slot):
-        if not partial_ok and any(isinstance(p, Partial) for lay in layouts for p in lay):
-            continue
         out = probe(gm, node, slots, layouts, value_of)
         if out is None:
             continue
@@ -454,12 +456,12 @@ def _probe_op(gm, node, slots, value, mesh, model: CostModel, storage_of, ops: d
     if not strategies:
         raise UnsupportedError(
             f"layout solver: DTensor runs {node.name} ({node.target}) in no layout of its inputs "
-            f"without redistributing on its own; source: {_source(node)}"
+            f"without redistributing on its own; source: {source_line(node)}"
         )
     return Op(node, slots, strategies, requires_grad=bool(value.requires_grad), value=value)
 
 
-def _source(node: fx.Node) -> str:
+def source_line(node: fx.Node) -> str:
     """The user's line that made `node` (the last code line of its stack trace)."""
     lines = [l.strip() for l in (node.meta.get("stack_trace") or "").splitlines()]
     code = [l for l in lines if l and not set(l) <= set("^~ ") and not l.startswith("File ")]

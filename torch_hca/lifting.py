@@ -29,7 +29,6 @@ apply), so the layout pass sees the whole program before it places anything.
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from typing import Any
 
@@ -40,7 +39,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._pytree import tree_leaves
 
 from . import attention, dtensor_ops, layout_solver
-from ._torch_private import fake_mode_of
+from .layout_solver import op_name, source_line
+from ._torch_private import fake_dtensor_work
 from .errors import UnsupportedError
 from .logical import ENTER, LEAVE, decode, mesh_of
 
@@ -50,21 +50,9 @@ INPLACE_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub, o
                      operator.itruediv: operator.truediv}
 
 
-def _source(node: fx.Node) -> str:
-    """The user's line that made `node` (the last code line of its stack trace)."""
-    lines = [l.strip() for l in (node.meta.get("stack_trace") or "").splitlines()]
-    code = [l for l in lines if l and not set(l) <= set("^~ ") and not l.startswith("File ")]
-    return code[-1] if code else "?"
-
-
 def _looks_inplace(node: fx.Node) -> bool:
     return (node.target in INPLACE_OPERATORS or bool(node.kwargs.get("inplace"))
-            or _name_of(node).endswith("_") and not _name_of(node).startswith("_"))
-
-
-def _name_of(node: fx.Node) -> str:
-    t = node.target
-    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+            or op_name(node).endswith("_") and not op_name(node).startswith("_"))
 
 
 def _replicated(v: DTensor) -> DTensor:
@@ -97,8 +85,7 @@ class Lifted:
         self.wrapped: dict[fx.Node, fx.Node] = {}
         self.erased: set[fx.Node] = set()
         placeholders = graph.find_nodes(op="placeholder")
-        fake_mode = fake_mode_of([n.meta.get("example_value") for n in placeholders])
-        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        with fake_dtensor_work([n.meta.get("example_value") for n in placeholders]):
             for node in list(graph.nodes):
                 if node in self.erased:  # a getitem replaced while splitting an op above
                     continue
@@ -213,7 +200,7 @@ class Lifted:
         elif node.op == "call_function":
             kind, target = "function", dtensor_ops.local_function(node.target)
         else:
-            raise UnsupportedError(f"lift: cannot run {node.name} ({node.op} {node.target}) replicated; source: {_source(node)}")
+            raise UnsupportedError(f"lift: cannot run {node.name} ({node.op} {node.target}) replicated; source: {source_line(node)}")
         node.args = (kind, target, item, *node.args)
         node.target, node.op = dtensor_ops.run_local, "call_function"
         args, kwargs = self._values(node)
@@ -232,10 +219,10 @@ class Lifted:
         users = list(node.users)
         if not all(u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int) for u in users):
             raise UnsupportedError(
-                f"lift: {node.name} ({_name_of(node)}) returns {len(value)} tensors and is used other than by "
-                f"indexing; source: {_source(node)}"
+                f"lift: {node.name} ({op_name(node)}) returns {len(value)} tensors and is used other than by "
+                f"indexing; source: {source_line(node)}"
             )
-        partition = _name_of(node) in PARTITIONS and node.target is not dtensor_ops.run_local
+        partition = op_name(node) in PARTITIONS and node.target is not dtensor_ops.run_local
         source = node.args[0]
         whole = self.env[source] if partition else None
         for u in users:
@@ -258,7 +245,7 @@ class Lifted:
 
     def _functionalize(self, node: fx.Node, target: fx.Node) -> Any:
         """`node` updates `target` in place: make it out of place and point later readers at it."""
-        where = f"{node.name} ({_name_of(node)}, source: {_source(node)})"
+        where = f"{node.name} ({op_name(node)}, source: {source_line(node)})"
         if target.op == "placeholder" or target.target in (dtensor_ops.from_local, dtensor_ops.replicate):
             raise UnsupportedError(
                 f"lift: {where} updates {target.name}, an argument, parameter or buffer of the graph, in place; "

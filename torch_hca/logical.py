@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.utils._pytree import tree_map
 
 from .errors import PlacementError
@@ -56,6 +56,24 @@ def decode(text: str) -> Layout:
     return tuple(Shard(int(t[1:])) if t.startswith("S") else Partial() if t == "P" else Replicate() for t in text.split(","))
 
 
+def contiguous_stride(shape) -> tuple:
+    """Row-major strides of `shape` (symbolic sizes allowed): what DTensor.from_local needs with a shape."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.insert(0, step)
+        step = step * size
+    return tuple(strides)
+
+
+def check_input_layout(x: torch.Tensor, layout: Layout, what: str) -> None:
+    for p in layout:
+        if isinstance(p, Shard) and not -x.dim() <= p.dim < x.dim():
+            raise PlacementError(
+                f"{what}: inputs placement Shard({p.dim}) on a tensor of shape {tuple(x.shape)}; "
+                "change `inputs=` in hca.sharded"
+            )
+
+
 def local_shape(shape, layout: Layout, mesh_shape) -> list[int]:
     local = list(shape)
     for p, n in zip(layout, mesh_shape):
@@ -78,9 +96,8 @@ def global_shape(local, layout: Layout, mesh_shape) -> list[int]:
 @torch.library.custom_op("hca::enter", mutates_args=())
 def enter(local: torch.Tensor, layout: str, shape: list[int], mesh: int) -> torch.Tensor:
     """The logical value whose local piece, laid out as `layout`, is `local` (eagerly: gathered)."""
-    size = torch.Size(shape)
-    whole = DTensor.from_local(local, mesh_of(mesh), decode(layout), run_check=False, shape=size,
-                               stride=torch.empty(size, device="meta").stride())
+    whole = DTensor.from_local(local, mesh_of(mesh), decode(layout), run_check=False, shape=torch.Size(shape),
+                               stride=contiguous_stride(shape))
     return whole.full_tensor().clone()
 
 
@@ -92,14 +109,8 @@ def _(local, layout, shape, mesh):
 @torch.library.custom_op("hca::leave", mutates_args=())
 def leave(value: torch.Tensor, layout: str, mesh: int) -> torch.Tensor:
     """This rank's piece of the logical `value` laid out as `layout` (eagerly: a local chunk)."""
-    m = mesh_of(mesh)
-    placements = decode(layout)
-    piece = value
-    for dim_of_mesh, p in enumerate(placements):
-        if isinstance(p, Shard):
-            n, r = m.size(dim_of_mesh), m.get_local_rank(dim_of_mesh)
-            piece = piece.chunk(n, dim=p.dim)[r]
-    return piece.clone()
+    # src_data_rank=None: every rank cuts its own piece, no communication.
+    return distribute_tensor(value.detach(), mesh_of(mesh), decode(layout), src_data_rank=None).to_local().clone()
 
 
 @leave.register_fake
@@ -139,12 +150,7 @@ def enter_local(x: Any, layout: Layout | None, mesh: DeviceMesh, index: int, wha
         return x
     if isinstance(x, DTensor):
         return enter(x.to_local(), encode(tuple(x.placements)), list(x.shape), index)
-    for p in layout:
-        if isinstance(p, Shard) and not -x.dim() <= p.dim < x.dim():
-            raise PlacementError(
-                f"{what}: inputs placement Shard({p.dim}) on a tensor of shape {tuple(x.shape)}; "
-                "change `inputs=` in hca.sharded"
-            )
+    check_input_layout(x, layout, what)
     layout = tuple(Shard(p.dim % x.dim()) if isinstance(p, Shard) else p for p in layout)
     return enter(x, encode(layout), global_shape(x.shape, layout, mesh.shape), index)
 

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_map
 
 from .errors import MeshError, PlacementError, PlanError
 from .mesh import current_mesh
-from .logical import Holder, call_logically, mesh_id
+from .logical import Holder, call_logically, check_input_layout, mesh_id
 from .rewrites import DTensorRewrites
 
 Layout = tuple[Placement, ...]
@@ -136,12 +136,7 @@ class ShardingSpec:
         layout = self.input_layout(index)
         if layout is None:
             return x
-        for p in layout:
-            if isinstance(p, Shard) and not -x.dim() <= p.dim < x.dim():
-                raise PlacementError(
-                    f"forward argument {index}: inputs placement Shard({p.dim}) on a tensor of "
-                    f"shape {tuple(x.shape)}; change `inputs=` in hca.sharded"
-                )
+        check_input_layout(x, layout, f"forward argument {index}")
         return DTensor.from_local(x, self.mesh, layout, run_check=False)
 
     def to_local(self, y: Any) -> Any:
