@@ -30,9 +30,7 @@ round). The other rules read only what every rank of the group shares.
 
 from __future__ import annotations
 
-import datetime
 import hashlib
-import itertools
 
 import operator
 from dataclasses import dataclass
@@ -43,9 +41,10 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.utils._pytree import tree_map_only
 
-from torch_hca._torch_private import default_store, fake_mode_of, group_rank, group_size
+from torch_hca._torch_private import fake_mode_of, group_rank, group_size
 from torch_hca.collective_kinds import OPS, WAIT
 from torch_hca.errors import CheckError
+from torch_hca.exchange import exchange, needs_exchange
 
 from .infra import PassContext, PassResult
 
@@ -322,39 +321,25 @@ class Builder:
         return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
 
 
-AGREE_TIMEOUT_S = 120.0
-_rounds = itertools.count()  # one per agreement; equal on every rank that compiles the same graphs
-
-
 def agree_across_ranks(keys: list[str]) -> set[str]:
     """The keys every rank of the world proposed. Every rank must call this the same number of times.
 
     Needs no exchange without a process group, with one rank, or on the fake
     process group (one rank standing for all; graph-only work). The ranks post
-    56-bit hashes of their keys to the rendezvous store (bytes, no pickle) and
-    read each other's: no collective runs at compile time, and a rank that never
-    posts is an error after `AGREE_TIMEOUT_S`, not a hang. Like torch's own
-    compile-time exchanges it assumes every rank compiles the same graphs in the
-    same order; hence opt-in (``options={"rank_rewrites": True}``).
+    56-bit hashes of their keys through `torch_hca.exchange` (text, no pickle,
+    no collective at compile time; a rank that never posts is an error after
+    the mesh's timeout, not a hang). Like torch's own compile-time exchanges it
+    assumes every rank compiles the same graphs in the same order; hence opt-in
+    (``options={"rank_rewrites": True}``).
     """
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+    if not needs_exchange():
         return set(keys)
     by_hash = {hashlib.sha256(k.encode()).hexdigest()[:14]: k for k in keys}
-    store, rank, world = default_store(), dist.get_rank(), dist.get_world_size()
-    prefix = f"hca/rewrites/agree/{next(_rounds)}/"
-    store.set(prefix + str(rank), ",".join(sorted(by_hash)))
-    names = [prefix + str(r) for r in range(world)]
-    try:
-        store.wait(names, datetime.timedelta(seconds=AGREE_TIMEOUT_S))
-    except Exception as e:
-        raise CheckError(
-            f"collective rewrites: not every rank reached agreement round {prefix} within "
-            f"{AGREE_TIMEOUT_S:.0f} s ({e}); the ranks compiled different graphs: turn "
-            "options['rank_rewrites'] off"
-        ) from e
+    posted = exchange("rewrites", ",".join(sorted(by_hash)), range(dist.get_world_size()),
+                      "collective rewrites (turn options['rank_rewrites'] off if the ranks compile different graphs)")
     common = set(by_hash)
-    for name in names:
-        common &= set(filter(None, store.get(name).decode().split(",")))
+    for text in posted.values():
+        common &= set(filter(None, text.split(",")))
     return {by_hash[h] for h in common}
 
 

@@ -15,6 +15,8 @@ from ._torch_private import clear_dtensor_sharding_cache
 from .errors import MeshError
 
 _current_mesh: DeviceMesh | None = None
+DEFAULT_TIMEOUT_S = 300.0
+_timeout_s = DEFAULT_TIMEOUT_S
 
 # c10d backend string for each kind of job. A CUDA job also keeps gloo for the
 # CPU tensors that every job has (object collectives, barriers, shape checks).
@@ -105,6 +107,11 @@ def init_mesh(
             raise MeshError(f"init_mesh: mesh dimension names {names} must be distinct")
     _current_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     return _current_mesh
+
+
+def timeout_s() -> float:
+    """Seconds a rank waits for its peers: cross-rank checks, the process group, the launcher."""
+    return _timeout_s
 
 
 def current_mesh() -> DeviceMesh | None:

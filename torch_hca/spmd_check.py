@@ -3,27 +3,18 @@
 Ranks that compiled different programs (another batch size on one rank, a
 rank-dependent branch) would otherwise meet in mismatched collectives: gloo
 aborts the process or the job hangs. Each rank posts its graph's collective
-sequence per group (from the schedule checker's summary) to the rendezvous store (text, no pickle, no collective) and reads
-the others'; a difference is a `CheckError` naming the first differing
-collective on both sides, a rank that never posts is one after the timeout.
+sequence per group (from the schedule checker's summary) through
+`torch_hca.exchange` and reads the others'; a difference is a `CheckError` naming the first differing
+collective on both sides, a rank that never posts is one after the mesh's timeout.
 """
 
 from __future__ import annotations
 
-import datetime
-import itertools
-
 import torch.distributed as dist
 
-from ._torch_private import default_store, group_members
+from ._torch_private import group_members
 from .errors import CheckError
-
-TIMEOUT_S = 120.0
-_first_runs = itertools.count()  # one per compiled graph's first run, in the same order on every rank
-
-
-def _needs_exchange() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
+from .exchange import exchange, needs_exchange
 
 
 def check_same_collectives(mine: dict[str, list[str]], what: str) -> None:
@@ -34,22 +25,14 @@ def check_same_collectives(mine: dict[str, list[str]], what: str) -> None:
     mesh, ranks 0-1 and 2-3 hold different tp groups), so each rank compares a
     group's sequence only with that group's members.
     """
-    if not _needs_exchange():
+    if not needs_exchange():
         return
-    store, rank = default_store(), dist.get_rank()
-    prefix = f"hca/first_run/{next(_first_runs)}/"
-    store.set(prefix + str(rank), "\n".join(f"{g}\t{d}" for g, seq in mine.items() for d in seq))  # every rank posts
-    peers = sorted({r for g in mine for r in group_members(g)} - {rank})
-    try:
-        store.wait([prefix + str(r) for r in peers], datetime.timedelta(seconds=TIMEOUT_S))
-    except Exception as e:
-        raise CheckError(
-            f"{what}: not every rank ran its compiled graph within {TIMEOUT_S:.0f} s ({e}); "
-            "the ranks are running different programs"
-        ) from e
-    for other in peers:
+    rank = dist.get_rank()
+    text = "\n".join(f"{g}\t{d}" for g, seq in mine.items() for d in seq)
+    peers = {r for g in mine for r in group_members(g)}
+    for other, posted in exchange("first_run", text, peers, f"{what} (first run)").items():
         theirs: dict[str, list[str]] = {}
-        for line in filter(None, store.get(prefix + str(other)).decode().split("\n")):
+        for line in filter(None, posted.split("\n")):
             group, desc = line.split("\t", 1)
             theirs.setdefault(group, []).append(desc)
         for group, seq in mine.items():

@@ -1,0 +1,63 @@
+"""One cross-rank exchange of short texts through the rendezvous store.
+
+Every check that ranks must agree on (the collectives a compiled graph issues,
+the inputs of a step, the plan a module was sharded with, the collective
+rewrites they apply) goes through `exchange`: each rank posts one text under
+a topic and round, waits for its peers' and reads them. No collective runs
+(nothing interleaves with the programs' own collectives), nothing is pickled,
+and a peer that never posts is an error naming it after the mesh's timeout
+(`torch_hca.mesh.timeout_s`), not a hang.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import itertools
+from collections.abc import Iterable
+
+import torch.distributed as dist
+
+from ._torch_private import default_store
+from .errors import CheckError
+
+# Per topic, the round each rank is at: equal on every rank that runs the same program.
+_rounds: dict[str, itertools.count] = collections.defaultdict(itertools.count)
+# Per topic, this rank's key of the previous round: deleted once every peer has moved past it.
+_previous: dict[str, str] = {}
+
+
+def needs_exchange() -> bool:
+    """False without a real multi-rank process group (one rank, or the fake one standing for all)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
+
+
+def exchange(topic: str, text: str, peers: Iterable[int], what: str, timeout_s: float | None = None) -> dict[int, str]:
+    """Post `text` under `topic`; return each peer's text of the same round.
+
+    ``what`` names the check in the error a missing peer raises. Every rank
+    must call this for a topic the same number of times.
+    """
+    from .mesh import timeout_s as mesh_timeout_s
+
+    timeout = mesh_timeout_s() if timeout_s is None else timeout_s
+    store, rank = default_store(), dist.get_rank()
+    prefix = f"hca/{topic}/{next(_rounds[topic])}/"
+    store.set(prefix + str(rank), text)
+    peers = sorted(set(peers) - {rank})
+    keys = [prefix + str(r) for r in peers]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception as e:
+        late = [r for r, k in zip(peers, keys) if not store.check([k])]
+        raise CheckError(
+            f"{what}: rank(s) {late or peers} did not get there within {timeout:.0f} s (rank {rank} did). "
+            "Either they are late (still starting, compiling or in a long step: raise the timeout with "
+            "hca.init_mesh(timeout=...)) or they run a different program (another plan, input or branch)"
+        ) from e
+    texts = {r: store.get(k).decode() for r, k in zip(peers, keys)}
+    # Every peer has posted this round, so each has read our previous key.
+    if topic in _previous:
+        store.delete_key(_previous[topic])
+    _previous[topic] = prefix + str(rank)
+    return texts
