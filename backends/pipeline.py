@@ -17,6 +17,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch.distributed.tensor import DTensor
 
 from torch_hca._torch_private import graph_arg_example, group_size
+from torch_hca.agreement import InputAgreement
 from torch_hca.collective_kinds import OPS, RULES, node_payload
 from torch_hca.options import Options
 from torch_hca.plan import parameter_name
@@ -40,6 +41,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
     ctx = PassContext(options, report, list(example_inputs))
     _describe_inputs(gm, report)
     report.dynamo_graph = gm
+    agreement = InputAgreement(gm, f"graph {report.index}", options.input_check)
     logical = _copy(gm) if options.check else None
     dump(ctx, "dynamo", gm.code)
     gm = run_pass(LiftPass(), gm, ctx)
@@ -47,7 +49,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
     gm = run_pass(CotangentRolePass(), gm, ctx)
     report.dtensor_program = gm
     if options.inner == "dtensor":
-        return gm.forward
+        return _agreed(gm.forward, agreement)
 
     def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
         # Rewrites first: the transpose pass must label the collectives that remain.
@@ -93,8 +95,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
         raise
     _dump_tables(ctx)
     if logical is not None:
-        return _refinement_checked(compiled, logical, report)
-    return compiled
+        compiled = _refinement_checked(compiled, logical, report)
+    return _agreed(compiled, agreement)
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -103,6 +105,16 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
     return fx.GraphModule(gm, graph)
+
+
+def _agreed(compiled: Callable, agreement: InputAgreement) -> Callable:
+    """`compiled`, called only once every rank agrees on the program and its inputs (torch_hca.agreement)."""
+
+    def run(*args):
+        agreement(args)
+        return compiled(*args)
+
+    return run
 
 
 def _refinement_checked(compiled: Callable, logical: fx.GraphModule, report: GraphReport) -> Callable:

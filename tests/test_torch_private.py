@@ -229,6 +229,25 @@ def test_default_store_is_the_rendezvous_store():
         dist.destroy_process_group()
 
 
+def test_graph_arg_source_and_python_scalars():
+    seen = []
+
+    def backend(gm, example_inputs):  # Dynamo drops the grapharg records after the backend returns
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        seen.append(([tp.graph_arg_source(n) for n in placeholders], [tp.graph_arg_is_python_scalar(n) for n in placeholders]))
+        return gm.forward
+
+    def f(x, scale):
+        return x * scale
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend=backend)
+    compiled(torch.ones(2), 0.5)
+    compiled(torch.ones(2), 0.25)  # a float that changed: Dynamo passes it as a 0-d tensor
+    torch._dynamo.reset()
+    assert seen[-1] == (["L['x']", "L['scale']"], [False, True])
+
+
 def test_group_members(fake_pg):
     world = dist.group.WORLD.group_name
     assert tp.group_members(world) == [0, 1, 2, 3]

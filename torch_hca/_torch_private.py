@@ -58,6 +58,24 @@ def default_store():
     return _get_default_store()
 
 
+def graph_arg_source(placeholder: fx.Node) -> str:
+    """Where Dynamo took a graph input from (``L['args'][0]``, ``L['self']._buffers['b']``), else its node name."""
+    grapharg = placeholder.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    name = getattr(source, "name", None)
+    if callable(name):  # a method in some torch versions, a property in others
+        name = name()
+    return name if isinstance(name, str) else placeholder.name
+
+
+def graph_arg_is_python_scalar(placeholder: fx.Node) -> bool:
+    """Whether Dynamo passes a Python number the user gave as this graph input (a SymInt, or a float as a 0-d tensor)."""
+    grapharg = placeholder.meta.get("grapharg")
+    if grapharg is None:
+        return False
+    return bool(getattr(grapharg, "pass_arg_as_tensor", False)) or not getattr(grapharg, "is_tensor", True)
+
+
 @dataclass(frozen=True)
 class RedistributionEvent:
     """DTensor moving one argument of an aten op to another placement on its own."""

@@ -13,6 +13,7 @@ from .errors import OptionsError
 
 INNER = ("eager", "inductor", "dtensor")
 LAYOUT = ("solve", "dtensor")
+INPUT_CHECKS = ("values", "shapes", "first")  # torch_hca.agreement
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,12 @@ class Options:
       program Dynamo traced, run whole on every rank) run on the same inputs
       and a random cotangent; an output or gradient that differs beyond fp32
       tolerance is a CheckError naming it and its layout.
+    input_check: what the ranks compare before each call of a compiled graph
+      (torch_hca.agreement): "values" (default): the program, every input's local
+      shape and dtype, and a digest of the values that must be equal (Replicate()
+      inputs, buffers, Python scalars, pieces at the same mesh coordinate);
+      "shapes": no value digests after the first call; "first": everything, on
+      the first call only.
     mode: torch.compile's `mode=`, recorded in the report (not yet acted on).
     """
 
@@ -69,6 +76,7 @@ class Options:
     bucket_cap_mb: float | None = None
     max_in_flight_mb: float = 64.0
     check: bool = False
+    input_check: str = "values"
     mode: str | None = None
 
     @classmethod
@@ -91,6 +99,9 @@ class Options:
         for key in ("strict", "rank_rewrites", "schedule", "check"):
             if not isinstance(options.get(key, False), bool):
                 raise OptionsError(f"backend 'hca': options[{key!r}] must be a bool, got {options[key]!r}")
+        input_check = options.get("input_check", "values")
+        if input_check not in INPUT_CHECKS:
+            raise OptionsError(f"backend 'hca': options['input_check']={input_check!r}; use one of {INPUT_CHECKS}")
         layout = options.get("layout", "solve")
         if layout not in LAYOUT:
             raise OptionsError(f"backend 'hca': options['layout']={layout!r}; use one of {LAYOUT}")
@@ -116,7 +127,7 @@ class Options:
             inner=inner, strict=options.get("strict", False), debug_dir=debug_dir,
             rank_rewrites=options.get("rank_rewrites", False), layout=layout,
             cost_model=tuple(sorted(overrides.items())), schedule=options.get("schedule", True),
-            check=options.get("check", False),
+            check=options.get("check", False), input_check=input_check,
             mode=mode, **numbers,
         )
 

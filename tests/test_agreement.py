@@ -1,0 +1,46 @@
+"""Ranks that disagree on what SPMD says they share are stopped before the step (torch_hca/agreement.py).
+
+Before this check each of these cases ran to the end with silently wrong
+gradients (the collectives matched, so the first-run collective check passed).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import agreement_cases
+
+RAISES = {
+    # case: (world size, words the message must hold)
+    "replicate_batch": (2, ["L['args'][0]", "[8, 16] float32 on rank 0", "[6, 16] float32 on rank 1", "same batch size"]),
+    "replicate_values": (2, ["L['args'][0]", "differs between rank 0 and rank 1", "Replicate()"]),
+    "nan_on_one_rank": (2, ["L['args'][0]", "differs between rank 0 and rank 1"]),
+    "python_scalar": (2, ["traced different programs", "depends on the rank"]),
+    "branch": (2, ["traced different programs", "depends on the rank"]),
+    "buffer": (2, ["_buffers['shift']", "differs between rank 0 and rank 1"]),
+    "mesh2d_same_dp_differs": (4, ["sharded over mesh dims [0]", "differs between rank 0 and rank 1"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RAISES))
+def test_disagreement_is_a_check_error_on_every_rank(worlds, name):
+    world_size, words = RAISES[name]
+    results = worlds(world_size).run(agreement_cases.disagreement, name)
+    assert all(r["raised"] for r in results), results  # every rank stops: none waits in a collective
+    assert len({r["message"] for r in results}) == 1, "every rank judges every pair alike"
+    for word in words:
+        assert word in results[0]["message"], results[0]["message"]
+
+
+@pytest.mark.parametrize("name,world_size", [("sharded_pieces_differ", 2), ("mesh2d_dp_pieces_differ", 4)])
+def test_pieces_of_a_sharded_input_may_differ(worlds, name, world_size):
+    results = worlds(world_size).run(agreement_cases.disagreement, name)
+    assert not any(r["raised"] for r in results), results
+
+
+@pytest.mark.parametrize("mode,raised", [("values", True), ("shapes", False), ("first", False)])
+def test_later_calls_follow_the_input_check_option(worlds, mode, raised):
+    results = worlds(2).run(agreement_cases.disagreement, "second_call_values", mode)
+    assert [r["raised"] for r in results] == [raised] * 2
+    if raised:
+        assert results[0]["call"] == 1
