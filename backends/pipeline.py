@@ -22,6 +22,7 @@ from torch_hca.collective_kinds import OPS, RULES, node_payload
 from torch_hca.options import Options
 from torch_hca.plan import parameter_name
 from torch_hca.errors import HCAError, UnsupportedError
+from torch_hca.lifting import dtensor_failure
 from torch_hca.spmd_check import check_same_collectives
 from torch_hca.refinement import check_refinement
 from torch_hca.report import CollectiveRecord, CompileReport, GraphReport, layout_str, new_graph_report
@@ -92,6 +93,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
                 f"{str(e).splitlines()[0][:200]}); DTensor cannot shard some ops under symbolic sizes in "
                 "this torch: compile with torch.compile(..., dynamic=False) to recompile per shape"
             ) from e
+        failure = dtensor_failure(gm, e, report.index)  # an op DTensor has no rule for, named
+        if failure is not None:
+            raise failure from e
         raise
     _dump_tables(ctx)
     if logical is not None:

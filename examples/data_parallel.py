@@ -1,8 +1,11 @@
-"""Data parallel with gradient accumulation: replicated parameters, each rank a
-slice of the batch, gradients summed over ranks once per optimizer step.
+"""Data parallel with gradient accumulation, written as a DDP loop: replicated
+parameters, each rank a slice of the batch and its own loss on its own rows.
 
-Each rank's loss is the sum over its own rows, so the gradient is that of the
-whole batch's sum. With ``grad_reduction="deferred"`` the gradients stay
+Under DDP each rank's loss is the mean over its rows and DDP averages the
+ranks' gradients. ``loss_reduction="mean"`` says the same here: the gradients
+are those of the mean of the ranks' losses, equal to DDP's (the default,
+``"sum"``, gives those of their sum, world-size times larger; right when each
+rank's loss is a sum over its rows). With ``grad_reduction="deferred"`` the gradients stay
 Partial through the 4 microbatches (no communication) and
 `hca.reduce_gradients` sums them in one bucketed all-reduce. The default,
 ``"eager"``, sums them inside every backward instead.
@@ -15,6 +18,7 @@ import os
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import torch_hca as hca
 from torch_hca import Shard
@@ -26,17 +30,17 @@ def main():
     mesh = hca.init_mesh()
     torch.manual_seed(0)
     layers = [m for _ in range(4) for m in (nn.Linear(32, 32), nn.ReLU())]
-    model = hca.sharded({}, mesh=mesh, inputs=Shard(0), outputs=Shard(0), grad_reduction="deferred")(
-        nn.Sequential(*layers)
-    )
+    model = hca.sharded({}, mesh=mesh, inputs=Shard(0), outputs=Shard(0),
+                        grad_reduction="deferred", loss_reduction="mean")(nn.Sequential(*layers))
     compiled = torch.compile(model, backend="hca")
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     for step in range(3):
         for _ in range(MICROBATCHES):
             batch = torch.randn(16 * world, 32)          # the global batch, same on every rank
-            local = batch.chunk(world)[rank]             # this rank's rows
-            compiled(local).square().sum().backward()
+            target = torch.randn(16 * world, 32)
+            local, local_target = batch.chunk(world)[rank], target.chunk(world)[rank]  # this rank's rows
+            F.mse_loss(compiled(local), local_target).backward()  # this rank's loss, as under DDP
         buckets = hca.reduce_gradients(model)           # one all-reduce per bucket
         opt.step()
         opt.zero_grad()

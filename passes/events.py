@@ -1,4 +1,4 @@
-"""The event model the schedule pass reads a graph with (DESIGN.md section 1).
+"""The event model the schedule pass reads a graph with (docs/theory.md, section 6).
 
 An event is one node. A *start* is a `_c10d_functional` collective: it
 leases its input buffers until its *waits* (one `wait_tensor`, or one per

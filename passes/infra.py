@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
+import torch.distributed as dist
 import torch.fx as fx
 
+from torch_hca._torch_private import structured_trace_enabled, trace_artifact
 from torch_hca.errors import CheckError
 from torch_hca.options import Options
 from torch_hca.report import GraphReport, PassRecord
@@ -21,6 +24,7 @@ class PassContext:
     options: Options
     report: GraphReport
     example_inputs: list[Any] = field(default_factory=list)
+    last_published: tuple[str, str] | None = None  # (name, text) the log and trace showed last
 
 
 @dataclass
@@ -38,14 +42,47 @@ class Pass(Protocol):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult: ...
 
 
-def dump(ctx: PassContext, stage: str, text: str, suffix: str = "py") -> None:
-    """Write one artifact to the debug directory, if one is set."""
-    if not ctx.options.debug_dir:
+# TORCH_LOGS="+torch_hca" (or torch._logging.set_logs(modules={"torch_hca": logging.DEBUG}))
+# shows the graphs. A module name, not a registered artifact: torch reads TORCH_LOGS
+# during `import torch`, before any other package could register an artifact name.
+log = logging.getLogger(__name__)
+
+
+def dump(ctx: PassContext, stage: str, text: str | Callable[[], str], suffix: str = "py") -> None:
+    """Publish one artifact of graph N, ``graph{N}_{stage}``, wherever it is asked for.
+
+    * ``options.debug_dir``: the file ``{debug_dir}/rank{r}/graph{N}_{stage}.{suffix}``;
+    * the ``torch_hca.passes.infra`` logger at DEBUG (``TORCH_LOGS="+torch_hca"``);
+    * torch's structured trace (``TORCH_TRACE=dir``), as the artifact ``hca_graph{N}_{stage}`` for tlparse.
+
+    ``text`` may be a function: it is called only when one of them is on. A text
+    equal to the last one shown (a pass's "before" is usually the previous
+    pass's "after") is shown as a one-line "unchanged" note in the log and trace.
+    """
+    to_log, to_trace = log.isEnabledFor(logging.DEBUG), structured_trace_enabled()
+    if not (ctx.options.debug_dir or to_log or to_trace):
         return
-    os.makedirs(ctx.options.debug_dir, exist_ok=True)
-    path = os.path.join(ctx.options.debug_dir, f"graph{ctx.report.index}_{stage}.{suffix}")
-    with open(path, "w") as f:
-        f.write(text)
+    text = text() if callable(text) else text
+    name = f"graph{ctx.report.index}_{stage}"
+    if ctx.options.debug_dir:
+        folder = os.path.join(ctx.options.debug_dir, f"rank{_rank()}")  # ranks would overwrite each other's files
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{name}.{suffix}"), "w") as f:
+            f.write(text)
+    if not (to_log or to_trace):
+        return
+    if ctx.last_published is not None and ctx.last_published[1] == text:
+        body, sep = f"unchanged (the same as hca_{ctx.last_published[0]})", " "
+    else:
+        ctx.last_published, body, sep = (name, text), text.strip("\n"), "\n"
+    if to_log:
+        log.debug("hca %s:%s%s", name, sep, body)
+    if to_trace:
+        trace_artifact(f"hca_{name}", "json" if suffix == "json" else "string", lambda: body)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def run_pass(p: Pass, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -1,6 +1,6 @@
 """Schedule pass: bucket the collectives, then start each early and wait on it late.
 
-The model (DESIGN.md section 1, "Schedule equivalence"). A graph is a list of
+The model (docs/theory.md, section 6, "Schedule equivalence"). A graph is a list of
 events. Each reads and writes values; an async collective *leases* its input
 buffers from its start until its ``wait_tensor``; all ranks of a group must
 issue the group's collectives in one order. Two adjacent events that conflict

@@ -120,3 +120,16 @@ def check_cost(mode: str, steps: int = 30) -> dict[str, float]:
         times.append(time.perf_counter() - t)
     times = sorted(times[5:])
     return {"step_s": times[len(times) // 2]}
+
+
+def divergent_plans() -> dict[str, Any]:
+    """Rank 1 shards fc1.weight on another dimension: each rank's hca.sharded raises, in seconds."""
+    rank = dist.get_rank()
+    mesh = hca.init_mesh()
+    plan = {"fc1.weight": Shard(1 if rank == 1 else 0), "fc1.bias": Shard(0), "fc2.weight": Shard(1)}
+    start = time.perf_counter()
+    try:
+        hca.sharded(plan, mesh=mesh)(Net())
+    except hca.PlanError as e:
+        return {"raised": True, "message": str(e), "seconds": time.perf_counter() - start}
+    return {"raised": False, "message": None, "seconds": time.perf_counter() - start}

@@ -34,11 +34,17 @@ def fake_pg(request):
 
 
 _WORLDS: dict[int, hca.LocalWorld] = {}
+RUN_DEADLINE_S = 600  # a test whose ranks hang in Python fails instead of stalling the suite
+
+
+class _TestWorld(hca.LocalWorld):
+    def run(self, fn, *args, timeout_s=None):
+        return super().run(fn, *args, timeout_s=timeout_s or RUN_DEADLINE_S)
 
 
 def _world(size: int) -> hca.LocalWorld:
     if size not in _WORLDS:
-        _WORLDS[size] = hca.LocalWorld(size, timeout_s=240)
+        _WORLDS[size] = _TestWorld(size, timeout_s=240)
     return _WORLDS[size]
 
 

@@ -44,3 +44,12 @@ def test_later_calls_follow_the_input_check_option(worlds, mode, raised):
     assert [r["raised"] for r in results] == [raised] * 2
     if raised:
         assert results[0]["call"] == 1
+
+
+def test_divergent_plans_are_named_inside_hca_sharded(worlds):
+    results = worlds(2).run(agreement_cases.divergent_plans)
+    assert all(r["raised"] for r in results), results
+    message = results[0]["message"]
+    assert "different plans" in message and "'fc1.weight'" in message
+    assert "(Shard(dim=0),)" in message and "(Shard(dim=1),)" in message
+    assert max(r["seconds"] for r in results) < 10  # not the launch timeout

@@ -1,11 +1,14 @@
 """Smoke test of `python -m torch_hca bench`: every model and contestant runs on tiny sizes
 and writes complete JSON records; every contestant trains the same thing as a single device.
 
-Speed is not asserted (a benchmark is a command, DESIGN.md section 5). Whether hca's bytes
+Speed is not asserted (a benchmark is a command, docs/bench.md). Whether hca's bytes
 per step are the fewest is reported as a warning, not asserted: at tiny sizes the layout
-solver's cost model may rightly prefer fewer, larger collectives.
+solver's cost model may rightly prefer fewer, larger collectives. The one run also takes
+`--rounds 2` and `--profile`, so the round-robin timing, the regret line and the traces
+are exercised there.
 """
 
+import copy
 import json
 import subprocess
 import sys
@@ -14,8 +17,11 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
-from torch_hca.bench import CONTESTANTS, MODELS, applies, specs
+import torch_hca as hca
+from torch_hca.bench import ALTERNATIVES, BREAKDOWN, CONTESTANTS, MODELS, _expert, applies, specs, step_breakdown, \
+    traced_step
 from torch_hca.step_profile import StepProfile
 
 KEYS = {"model", "contestant", "bytes_per_step", "analytic_min_bytes", "collectives", "step_time_s",
@@ -23,19 +29,26 @@ KEYS = {"model", "contestant", "bytes_per_step", "analytic_min_bytes", "collecti
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench") / "bench.json"
+def run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bench")
+    out, traces = folder / "bench.json", folder / "traces"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch_hca", "bench", "--tiny", "--steps", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", "torch_hca", "bench", "--tiny", "--steps", "1", "--rounds", "2",
+         "--profile", str(traces), "--json", str(out)],
+        capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "== schedule on/off" in proc.stdout
-    return json.loads(out.read_text())
+    assert "== schedule on/off" in proc.stdout and "== where the step time goes" in proc.stdout
+    return json.loads(out.read_text()), proc.stdout, traces
+
+
+@pytest.fixture(scope="module")
+def records(run):
+    return run[0]
 
 
 def test_every_model_and_contestant_has_a_complete_record(records):
-    expected = {(m, c) for m in MODELS for c in CONTESTANTS if applies(specs(tiny=True)[m].kind, c)}
+    expected = {(m, c) for m in MODELS for c in CONTESTANTS if applies(specs(tiny=True)[m], c, 2)}
     assert [(r["model"], r["contestant"]) for r in records] == sorted(
         expected, key=lambda mc: (MODELS.index(mc[0]), CONTESTANTS.index(mc[1])))
     assert {r["contestant"] for r in records} == set(CONTESTANTS)
@@ -84,3 +97,79 @@ def test_step_profile_counts_each_c10d_op_once_as_a_ring(fake_pg):
     assert prof.by_kind == {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1} and prof.collectives == 4
     assert prof.wire_bytes == pytest.approx(1.5 * 48 + 0.75 * 128 + 0.75 * 128 + 1.5 * 32)
     assert prof.unknown == {} and prof.peak_alloc_bytes > 0
+
+
+def test_timed_steps_come_in_rounds_and_each_model_has_a_regret(run):
+    records, stdout, _ = run
+    for r in records:
+        assert len(r["round_step_times_s"]) == 2 and len(r["step_times_s"]) == 2, r
+    for model in MODELS:
+        hca_rec = next(r for r in records if r["model"] == model and r["contestant"] == "hca")
+        alts = {r["contestant"]: r["step_time_s"] for r in records if r["model"] == model and r["contestant"] in ALTERNATIVES}
+        assert hca_rec["regret_alternatives_s"] == alts and alts
+        assert hca_rec["regret"] == pytest.approx(hca_rec["step_time_s"] / min(alts.values()))
+    assert stdout.count("\nregret ") == len(MODELS)
+
+
+def test_profile_writes_a_trace_per_contestant_and_rank_and_a_breakdown(run):
+    records, _, traces = run
+    assert sorted(p.name for p in traces.iterdir()) == sorted(
+        f"{r['model']}_{r['contestant']}_rank{rank}.json" for r in records for rank in (0, 1))
+    for r in records:
+        p = r["profile"]
+        assert p["step_s"] > 0 and all(p[f"{k}_s"] >= 0 for k in BREAKDOWN), r
+        assert sum(p[f"{k}_s"] for k in BREAKDOWN) == pytest.approx(p["step_s"]), r
+        assert p["collectives_s"] > 0, (r["model"], r["contestant"], p)  # every contestant communicates
+
+
+def _x(name, ts, dur, tid=1):
+    return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
+
+
+def test_step_breakdown_sorts_a_synthetic_step():
+    events = [
+        _x("torch_hca.bench.step", 0, 100),
+        _x("aten::mm", 5, 20), _x("aten::copy_", 6, 2),  # compute, nested copy too (no collective near)
+        _x("aten::cat", 30, 5),  # fills the bucket
+        _x("_c10d_functional::all_reduce", 36, 10), _x("aten::clone", 37, 3),  # the clone is the collective's
+        _x("aten::add", 50, 5),
+        _x("_c10d_functional::wait_tensor", 60, 15),
+        _x("aten::split_with_sizes", 76, 4), _x("aten::view", 80, 1), _x("aten::copy_", 81, 2),  # empties it
+        _x("torch.distributed.ddp.reducer::copy_bucket_to_grad", 84, 3), _x("aten::copy_", 84.5, 2),
+        _x("autograd::engine::evaluate_function: MulBackward0", 88, 10), _x("aten::mul", 89, 4),
+        _x("aten::mm", 10, 50, tid=2),  # another thread: not this step's time
+    ]
+    got = step_breakdown({"traceEvents": events})
+    want = {"step_s": 100, "compute_s": 20 + 5 + 4, "collectives_s": 10 + 15, "bucket_copies_s": 5 + 4 + 1 + 2 + 3,
+            "other_s": 100 - 29 - 25 - 15}
+    assert got == pytest.approx({k: v * 1e-6 for k, v in want.items()})
+
+
+def test_step_breakdown_reads_a_real_profile(fake_pg, tmp_path):
+    x = torch.randn(64, 64)
+
+    def step():
+        y = x @ x
+        bucket = torch.cat([y.flatten(), x.flatten()])
+        dist.all_reduce(bucket)
+        bucket.split([y.numel(), x.numel()])
+
+    path = tmp_path / "step.json"
+    got = traced_step(step, str(path))
+    assert json.loads(path.read_text())["traceEvents"]
+    assert got["compute_s"] > 0 and got["collectives_s"] > 0 and got["bucket_copies_s"] > 0 and got["other_s"] >= 0
+    assert sum(got[f"{k}_s"] for k in BREAKDOWN) == pytest.approx(got["step_s"])
+
+
+@pytest.mark.parametrize("fake_pg", [2], indirect=True)
+def test_expert_storage_is_hca_plan_storage(fake_pg):
+    """Why no "expert storage under layout='dtensor'" contestant: it would be hca_dtensor_layout."""
+    def storage(model):
+        placements = lambda p: tuple(p.placements) if isinstance(p, DTensor) else (Replicate(),)
+        return {name: placements(p) for name, p in model.named_parameters()}
+
+    for spec in (s for s in specs(tiny=True).values() if s.kind == "tp"):
+        torch.manual_seed(0)
+        ref = spec.build()
+        mine = storage(hca.sharded(spec.plan, mesh=fake_pg, inputs=Replicate(), outputs=Replicate())(copy.deepcopy(ref)))
+        assert storage(_expert(copy.deepcopy(ref), spec, fake_pg)) == mine, spec.name

@@ -156,7 +156,7 @@ def test_every_kind_has_one_rule_and_the_table_is_closed_under_transpose():
         assert back.keys() == params.keys() and all(
             torch.equal(back[k], v) if isinstance(v, torch.Tensor) else back[k] == v for k, v in params.items()
         ), (kind, params, back)
-    # The pairs of DESIGN.md's transpose table.
+    # The pairs of the transpose table (docs/theory.md, section 3).
     assert {(k, r.transpose) for k, r in RULES.items()} >= {
         (Kind.BROADCAST, Kind.REDUCE), (Kind.ALL_GATHER, Kind.REDUCE_SCATTER),
         (Kind.REDUCE_SCATTER, Kind.ALL_GATHER), (Kind.ALL_REDUCE, Kind.ALL_REDUCE),

@@ -1,4 +1,4 @@
-"""The layering is one-way (DESIGN.md section 4): core <- passes <- backends.
+"""The layering is one-way (docs/theory.md, section 7): core <- passes <- backends.
 
 Modules in torch_hca/ (the core) never import torch_hca.passes or
 torch_hca.backends; modules in passes/ never import torch_hca.backends. Read

@@ -21,6 +21,8 @@ def test_wheel_contains_passes_and_backends(tmp_path):
         sources = {p.name for p in (ROOT / folder).glob("*.py")}
         assert sources and {f"{package}/{s}" for s in sources} <= names, f"{folder}/ missing from the wheel"
     assert not any(n.startswith(("passes/", "backends/", "tests/")) for n in names), "a bare top-level package leaked"
+    assert "torch_hca/py.typed" in names, "the PEP 561 marker is missing from the wheel (package-data)"
+    assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names), "LICENSE missing"
     (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[torch_dynamo_backends]" in text and "hca = torch_hca.backends.entry:hca_backend" in text

@@ -57,7 +57,7 @@ def test_mode_and_options_reach_the_backend(fake_pg):
 
 def test_debug_dir_dumps_every_stage(fake_pg, tmp_path):
     compile_mlp(options={"debug_dir": str(tmp_path)})
-    names = {p.name.split("_", 1)[1] for p in tmp_path.iterdir()}
+    names = {p.name.split("_", 1)[1] for p in (tmp_path / "rank0").iterdir()}  # each rank its own folder
     for stage in ("dynamo.py", "layout_before.py", "layout_after.py", "transpose_after.py",
                   "schedule_forward_after.py", "schedule_backward_after.py", "collectives.txt", "strategy.json"):
         assert stage in names, f"{stage} not dumped; got {sorted(names)}"

@@ -6,6 +6,8 @@ All run on the fake process group: placements and shapes only, never numbers.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -275,3 +277,43 @@ def test_ddp_bucket_bytes_hold_every_gradient():
         assert tp.ddp_bucket_bytes(model) == sum(p.numel() * p.element_size() for p in model.parameters())
     finally:
         dist.destroy_process_group()
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_structured_trace_enabled_and_trace_artifact():
+    from torch._logging._internal import trace_log
+
+    handler = _Records()
+    trace_log.addHandler(handler)  # what TORCH_TRACE=dir installs
+    try:
+        assert tp.structured_trace_enabled()
+        tp.trace_artifact("hca_graph0_test", "string", lambda: "def forward(self): ...")
+    finally:
+        trace_log.removeHandler(handler)
+    (record,) = handler.records
+    assert record.metadata["artifact"] == {"name": "hca_graph0_test", "encoding": "string"}
+    assert record.payload == "def forward(self): ..."
+
+
+def test_quiet_cpu_alltoall_fallback_skips_only_that_warning(fake_pg):
+    torch._logging.warning_once.cache_clear()  # DTensor warns once per process: start afresh
+    handler = _Records()
+    logger = logging.getLogger("torch.distributed.tensor._collective_utils")
+    logger.addHandler(handler)
+    move = lambda: distribute_tensor(torch.randn(8, 8), fake_pg, [Shard(0)]).redistribute(fake_pg, [Shard(1)])
+    try:
+        with tp.quiet_cpu_alltoall_fallback():
+            move()
+        assert not handler.records
+        move()  # outside: warned, the once-per-process warning was not used up inside
+        assert ["alltoall" in r.getMessage() for r in handler.records] == [True]
+    finally:
+        logger.removeHandler(handler)

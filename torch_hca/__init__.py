@@ -21,12 +21,15 @@ from .mesh import current_mesh, init_mesh
 from .plan import sharded
 from .autoplan import plan
 from .calibrate import calibrate
+from .checkpoint import CheckpointError, load, load_full_state_dict, save
 from .report import CompileReport, report
+from .step import step
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckError", "CollectiveError", "CompileReport", "HCAError", "LocalWorld", "MeshError", "OptionsError",
     "Partial", "PlacementError", "PlanError", "RankError", "Replicate", "RoleError", "Shard",
-    "UnsupportedError", "calibrate", "collectives", "current_mesh", "init_mesh", "launch", "plan", "reduce_gradients", "report", "run", "sharded",
+    "CheckpointError", "load", "load_full_state_dict", "save",
+    "UnsupportedError", "calibrate", "collectives", "current_mesh", "init_mesh", "launch", "plan", "reduce_gradients", "report", "run", "sharded", "step",
 ]

@@ -1,4 +1,8 @@
-"""Command line: `python -m torch_hca demo` and `python -m torch_hca bench`."""
+"""Command line: `python -m torch_hca demo` and `python -m torch_hca bench`.
+
+Both print their results on stdout and one progress line per step of work,
+with the elapsed time, on stderr (`torch_hca.progress`).
+"""
 
 from __future__ import annotations
 
@@ -15,20 +19,32 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--world-size", type=int, default=2)
     bench.add_argument("--steps", type=int, default=5)
     bench.add_argument("--models", default="mlp,block,lm,dp,fsdp", help="comma-separated (default: all)")
-    bench.add_argument("--contestants", default="hca,hca_noschedule,dtensor_eager,dtensor_inductor,expert,ddp,fsdp2",
+    bench.add_argument("--contestants", default="hca,hca_noschedule,hca_dtensor_layout,hca_dp,dtensor_eager,"
+                       "dtensor_inductor,expert,ddp,fsdp2",
                        help="comma-separated (default: all); each runs on the models it applies to")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write the records as JSON")
     bench.add_argument("--tiny", action="store_true", help="tiny models (a smoke test, not a measurement)")
     bench.add_argument("--calibrate", action="store_true",
                        help="hca uses cost-model figures hca.calibrate() measures on the ranks first "
-                            "(default: the cost model's documented defaults, for run-to-run stable layouts)")
+                            "(default: the cost model's documented defaults, for run-to-run stable layouts); "
+                            "the figures cached for this host, world size, backend and torch version when there "
+                            "are some, else measured and cached (docs/bench.md)")
+    bench.add_argument("--recalibrate", action="store_true",
+                       help="like --calibrate, but measure again even when cached (and replace the cache)")
+    bench.add_argument("--rounds", type=int, default=1, metavar="K",
+                       help="timed steps in K round-robin rounds of --steps steps per contestant, medians over "
+                            "all (default 1: each contestant's timed steps in one block)")
+    bench.add_argument("--profile", default=None, metavar="DIR",
+                       help="one more step per contestant under torch.profiler: Chrome traces "
+                            "DIR/{model}_{contestant}_rank{r}.json and a table of where the step time goes")
     args = parser.parse_args(argv)
     if args.command == "bench":
         from .bench import main as bench_main
 
         split = lambda s: [v.strip() for v in s.split(",") if v.strip()]
         return bench_main(args.world_size, args.steps, split(args.models), split(args.contestants), args.json,
-                          args.tiny, args.calibrate)
+                          args.tiny, args.calibrate, recalibrate=args.recalibrate, rounds=args.rounds,
+                          profile_dir=args.profile)
     if args.command == "demo":
         from .demo import main as demo_main
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -228,3 +228,52 @@ def ddp_bucket_bytes(ddp) -> int:
     """Bytes of a `DistributedDataParallel` module's gradient buckets (they live across steps)."""
     sizes = ddp._get_ddp_logging_data().get("bucket_sizes", "")
     return sum(int(s) for s in str(sizes).split(",") if s.strip())
+
+
+def structured_trace_enabled() -> bool:
+    """Whether torch's structured trace (``TORCH_TRACE=dir``, read by tlparse) is recording.
+
+    The same test `torch._logging.trace_structured` makes first: its log has a
+    handler only while a trace directory is set.
+    """
+    from torch._logging._internal import trace_log
+
+    return bool(trace_log.handlers)
+
+
+def trace_artifact(name: str, encoding: str, payload: Callable[[], str]) -> None:
+    """Record one named artifact (``encoding`` "string" or "json") in torch's structured trace.
+
+    tlparse lists it under the compile it belongs to (Dynamo's frame id, when
+    called inside a compile) as ``{name}``; ``payload`` runs only if the trace records.
+    """
+    from torch._logging import trace_structured
+
+    trace_structured(
+        "artifact", metadata_fn=lambda: {"name": name, "encoding": encoding},
+        payload_fn=payload, expect_trace_id=False,
+    )
+
+
+@contextlib.contextmanager
+def quiet_cpu_alltoall_fallback() -> Iterator[None]:
+    """Skip DTensor's "CPU process group does not support alltoall yet" warning for the duration.
+
+    DTensor logs it through `torch._logging.warning_once`, cached per message:
+    filtering the log record would still use up the one warning, and a program
+    that does move Shard(i) -> Shard(j) on gloo would then never say so. The
+    call is skipped instead, so the cache stays untouched.
+    """
+    from torch.distributed.tensor import _collective_utils
+
+    original = _collective_utils.warning_once
+
+    def quiet(logger, message, *args, **kwargs):
+        if "does not support alltoall" not in str(message):
+            original(logger, message, *args, **kwargs)
+
+    _collective_utils.warning_once = quiet
+    try:
+        yield
+    finally:
+        _collective_utils.warning_once = original

@@ -11,6 +11,9 @@ parameter costs memory for itself, its gradient and two optimizer moments;
 from __future__ import annotations
 
 import copy
+import math
+import numbers
+import re
 from typing import Any
 
 import torch
@@ -48,6 +51,17 @@ def plan(
         raise PlanError(f"hca.plan: expected an nn.Module, got {type(model).__name__}")
     if getattr(model, "_hca_spec", None) is not None:
         raise PlanError("hca.plan: this model is already sharded; pass the plain model")
+    if not isinstance(example_inputs, (tuple, list)):
+        raise PlanError(
+            f"hca.plan: example_inputs must be a tuple of forward's arguments, got {type(example_inputs).__name__}; "
+            "write (x,) for one argument"
+        )
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Real)
+                                      or not math.isfinite(memory_budget) or memory_budget < 0):
+        raise PlanError(
+            f"hca.plan: memory_budget={memory_budget!r}; give bytes per rank as a finite number >= 0 "
+            "(e.g. 2e9 for 2 GB), or None for no bound"
+        )
     opts = Options.parse(options)
     replicated = sharded({}, mesh=mesh, inputs=inputs, outputs=outputs)(copy.deepcopy(model))
     gm, names = _dynamo_graph(replicated, tuple(example_inputs))
@@ -83,11 +97,28 @@ def _dynamo_graph(module: nn.Module, args: tuple) -> tuple[torch.fx.GraphModule,
     torch._dynamo.reset()
     try:
         torch.compile(module, backend=capture, dynamic=False)(*args)
+    except HCAError:
+        raise
+    except Exception as e:  # the model itself fails on these inputs, as it would on one device
+        shapes = ", ".join(f"{tuple(a.shape)} {str(a.dtype).replace('torch.', '')}" if isinstance(a, torch.Tensor)
+                           else type(a).__name__ for a in args)
+        raise PlanError(
+            f"hca.plan: {type(module).__name__}.forward fails on example_inputs ({shapes}, each this rank's "
+            f"local piece laid out as inputs={module._hca_spec.inputs}): {_reason(e)}; give the arguments "
+            "forward takes, each rank's piece of them"
+        ) from e
     finally:
         torch._dynamo.reset()
     if len(graphs) != 1:
-        raise HCAError(
+        raise PlanError(
             f"hca.plan: Dynamo split the model into {len(graphs)} graphs; plan needs one "
             "(remove the graph breaks: TORCH_LOGS=graph_breaks names them)"
         )
     return graphs[0], names
+
+
+def _reason(e: BaseException) -> str:
+    """The torch error under Dynamo's wrapping: "got RuntimeError('...')" in a fake-tensor failure, else line one."""
+    text = str(e)
+    found = re.search(r"got (\w+\(.*?\))\s*$", text, re.MULTILINE)
+    return found[1] if found else f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"

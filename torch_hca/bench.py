@@ -7,6 +7,12 @@ step), on local gloo ranks, one contestant after another in one run:
 - ``hca``: ``torch.compile(model, backend="hca")`` on the ``hca.sharded`` model;
 - ``hca_noschedule``: the same with ``options={"schedule": False}`` (the
   traced order, no overlap or bucketing), on the data-parallel and FSDP models;
+- the layouts hca could have chosen instead, each compiled by hca (`ALTERNATIVES`;
+  ``regret`` is hca's step time over the fastest of them):
+  ``hca_dtensor_layout`` (``options={"layout": "dtensor"}``: DTensor's per-op
+  choices on the same storage) and ``hca_dp`` (the model replicated and the batch
+  split, ``hca.sharded({}, inputs=Shard(0), outputs=Shard(0))``; not on the
+  data-parallel model, whose hca contestant is exactly that);
 - ``dtensor_eager``: the same ``hca.sharded`` DTensor model, not compiled;
 - ``dtensor_inductor``: the same DTensor model under plain ``torch.compile`` (Inductor);
 - ``expert`` (tensor-parallel models): ``parallelize_module`` with
@@ -17,6 +23,9 @@ step), on local gloo ranks, one contestant after another in one run:
 
 Bytes, collectives and peak memory come from one profiled step
 (`torch_hca.step_profile`), counted the same way for every contestant.
+Contestants are built and take their first step one after another, then
+take their timed steps in ``rounds`` round-robin rounds (``--rounds``), so a
+burst of load on a shared machine falls on all of them alike.
 """
 
 from __future__ import annotations
@@ -34,20 +43,34 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from . import zoo
 from ._torch_private import ddp_bucket_bytes
-from .calibrate import calibrate as hca_calibrate
+from .calibrate import cached_calibrate
 from .collective_kinds import Kind, bytes_per_rank
 from .launch import launch
 from .mesh import init_mesh
 from .plan import sharded, trace_over_dtensor
+from .progress import Progress
 from .report import report
 from .step_profile import StepProfile
 
-CONTESTANTS = ("hca", "hca_noschedule", "dtensor_eager", "dtensor_inductor", "expert", "ddp", "fsdp2")
+CONTESTANTS = ("hca", "hca_noschedule", "hca_dtensor_layout", "hca_dp", "dtensor_eager", "dtensor_inductor",
+               "expert", "ddp", "fsdp2")
 MODELS = ("mlp", "block", "lm", "dp", "fsdp")
 LR = 1e-3
+# The other layouts hca could have chosen, each compiled by hca: `regret` is hca's step over the
+# fastest. The expert plans' storage is hca's plan on every tensor-parallel model (a test checks),
+# so "the expert storage under layout='dtensor'" is hca_dtensor_layout, not another contestant.
+ALTERNATIVES = ("hca_dtensor_layout", "hca_dp")
+# hca's contestants: (storage plan or None for the spec's, batch split, backend options).
+_HCA = {
+    "hca": (None, None, {}),
+    "hca_noschedule": (None, None, {"schedule": False}),
+    "hca_dtensor_layout": (None, None, {"layout": "dtensor"}),
+    "hca_dp": ({}, True, {}),
+}
 # The contestant each kind of model is measured against by hand (besides DTensor).
 _EXPERT = {"tp": "expert", "dp": "ddp", "fsdp": "fsdp2"}
 _SCHEDULE_KINDS = ("dp", "fsdp")
@@ -65,6 +88,12 @@ class Spec:
     plan: dict
     batch: Callable[[torch.Generator], torch.Tensor]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _square_loss
+    # The full batch's loss from the losses of its row shards: "sum" (their sum),
+    # "mean" (their mean, equal shards), or None (a batch split is not the same training).
+    split_loss: str | None = "sum"
+
+    def rows(self) -> int:
+        return self.batch(torch.Generator().manual_seed(0)).shape[0]
 
 
 def _randn(*shape):
@@ -80,9 +109,9 @@ def specs(tiny: bool = False) -> dict[str, Spec]:
     return {
         "mlp": Spec("mlp", "tp", lambda: zoo.MLP(d, h), zoo.MEGATRON_MLP, _randn(b, d)),
         "block": Spec("block", "tp", lambda: zoo.TransformerBlock(d, 4 if tiny else 8, h), zoo.TP_BLOCK,
-                      _randn(bs // 2, seq, d)),
+                      _randn(max(bs // 2, 2), seq, d)),  # at least 2 rows: hca_dp splits them
         "lm": Spec("lm", "tp", lambda: zoo.TinyLM(**lm), zoo.TP_LM,
-                   lambda g: torch.randint(0, lm["vocab"], (bs, seq), generator=g), zoo.lm_loss),
+                   lambda g: torch.randint(0, lm["vocab"], (bs, seq), generator=g), zoo.lm_loss, "mean"),
         # Enough rows that data parallelism beats gathering the batch and replicating the
         # work (with few rows the layout solver would rather gather: docs/layout.md).
         "dp": Spec("dp", "dp", lambda: zoo.DeepMLP(d, 12), {}, _randn(16 * b, d)),
@@ -92,10 +121,12 @@ def specs(tiny: bool = False) -> dict[str, Spec]:
     }
 
 
-def applies(kind: str, contestant: str) -> bool:
+def applies(spec: Spec, contestant: str, world_size: int = 2) -> bool:
     if contestant in _EXPERT.values():
-        return _EXPERT[kind] == contestant
-    return contestant != "hca_noschedule" or kind in _SCHEDULE_KINDS
+        return _EXPERT[spec.kind] == contestant
+    if contestant == "hca_dp":  # on the data-parallel model it is the hca contestant itself
+        return spec.kind != "dp" and spec.split_loss is not None and spec.rows() % world_size == 0
+    return contestant != "hca_noschedule" or spec.kind in _SCHEDULE_KINDS
 
 
 # ------------------------------------------------------------ expert plans
@@ -164,29 +195,39 @@ def _fsdp2(model: nn.Module, mesh) -> nn.Module:
 
 # ------------------------------------------------------------ one contestant
 
-def _build(spec: Spec, contestant: str, ref: nn.Module, mesh, costs: dict) -> tuple[nn.Module, Callable, float]:
-    """(the module whose parameters train, what runs the forward, the loss scale)."""
-    base = copy.deepcopy(ref)
-    if contestant in ("hca", "hca_noschedule", "dtensor_eager", "dtensor_inductor"):
-        io = Replicate() if spec.kind == "tp" else Shard(0)
-        model = sharded(spec.plan, mesh=mesh, inputs=io, outputs=io)(base)
-        options = {"cost_model": costs} if costs else {}
-        compiled = {
-            "hca": lambda: torch.compile(model, backend="hca", options=options),
-            "hca_noschedule": lambda: torch.compile(model, backend="hca", options={"schedule": False, **options}),
-            "dtensor_inductor": lambda: torch.compile(trace_over_dtensor(model)),
-        }
-        return model, compiled.get(contestant, lambda: model)(), 1.0
+@dataclass(frozen=True)
+class Built:
+    model: nn.Module  # whose parameters train
+    run: Callable  # what runs the forward
+    scale: float  # the loss scale that trains the same thing as one device on the full batch
+    split: bool  # whether each rank gets its rows of the batch
+
+
+def _build(spec: Spec, contestant: str, ref: nn.Module, mesh, costs: dict) -> Built:
+    base, n = copy.deepcopy(ref), mesh.size()
+    if contestant in _HCA or contestant in ("dtensor_eager", "dtensor_inductor"):
+        plan, split, options = _HCA.get(contestant, (None, None, {}))
+        split = spec.kind != "tp" if split is None else split
+        io = Shard(0) if split else Replicate()
+        model = sharded(spec.plan if plan is None else plan, mesh=mesh, inputs=io, outputs=io)(base)
+        if contestant == "dtensor_inductor":
+            run = torch.compile(trace_over_dtensor(model))
+        elif contestant == "dtensor_eager":
+            run = model
+        else:
+            run = torch.compile(model, backend="hca", options={**options, **({"cost_model": costs} if costs else {})})
+        # Each rank's loss covers its rows; hca sums the ranks' gradients.
+        return Built(model, run, 1.0 / n if split and spec.split_loss == "mean" else 1.0, split)
     if contestant == "expert":
         model = _expert(base, spec, mesh)
-        return model, model, 1.0
+        return Built(model, model, 1.0, False)
     # DDP and FSDP2 average gradients over ranks; each rank's loss sums its rows.
     if contestant == "ddp":
         model = nn.parallel.DistributedDataParallel(base)
-        return model, model, float(mesh.size())
+        return Built(model, model, float(n), True)
     if contestant == "fsdp2":
         model = _fsdp2(base, mesh)
-        return model, model, float(mesh.size())
+        return Built(model, model, float(n), True)
     raise ValueError(f"unknown contestant {contestant!r}; choose from {', '.join(CONTESTANTS)}")
 
 
@@ -212,45 +253,63 @@ def _resident_bytes(model: nn.Module) -> int:
     return total
 
 
-def _run_one(spec: Spec, contestant: str, ref: nn.Module, ref_grads: dict, batches: list, mesh, costs: dict) -> dict:
-    rank, n = dist.get_rank(), dist.get_world_size()
-    rec = {"model": spec.name, "contestant": contestant, "world_size": n, "notes": []}
-    torch._dynamo.reset()
-    model, run, scale = _build(spec, contestant, ref, mesh, costs)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    local = (lambda x: x) if spec.kind == "tp" else (lambda x: x.chunk(n)[rank])
+class Contestant:
+    """One contestant on one model: built, first step (compile, gradient check), timed
+    steps in rounds, then the profiled step(s); `rec` collects what each part measures."""
 
-    def step(x, check=False):
-        spec.loss(run(local(x)), local(x)).mul(scale).backward()
-        if check:
-            rec["max_grad_rel_err"] = _grad_err(model, ref_grads)
-        opt.step()
-        opt.zero_grad()
+    def __init__(self, spec: Spec, name: str, ref: nn.Module, mesh, costs: dict):
+        n, rank = mesh.size(), dist.get_rank()
+        self.spec, self.mesh = spec, mesh
+        self.rec = {"model": spec.name, "contestant": name, "world_size": n, "notes": []}
+        self.built = _build(spec, name, ref, mesh, costs)
+        self.opt = torch.optim.SGD(self.built.model.parameters(), lr=LR)
+        self.local = (lambda x: x.chunk(n)[rank]) if self.built.split else (lambda x: x)
+        self.times: list[float] = []
 
-    t0 = time.perf_counter()
-    step(batches[0], check=True)
-    first = time.perf_counter() - t0
-    times = []
-    for x in batches[1:-1]:
-        dist.barrier()
+    def step(self, x: torch.Tensor, ref_grads: dict | None = None) -> None:
+        x = self.local(x)
+        self.spec.loss(self.built.run(x), x).mul(self.built.scale).backward()
+        if ref_grads is not None:
+            self.rec["max_grad_rel_err"] = _grad_err(self.built.model, ref_grads)
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def first(self, x: torch.Tensor, ref_grads: dict) -> None:
         t0 = time.perf_counter()
-        step(x)
-        times.append(time.perf_counter() - t0)
-    rec["step_time_s"], rec["step_times_s"] = statistics.median(times), times
-    rec["first_step_s"], rec["compile_time_s"] = first, max(first - rec["step_time_s"], 0.0)
-    dist.barrier()
-    cuda = mesh.device_type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    with StepProfile(n) as prof:
-        step(batches[-1])
-    peak = torch.cuda.max_memory_allocated() if cuda else _resident_bytes(model) + prof.peak_alloc_bytes
-    rec.update(bytes_per_step=prof.wire_bytes, collectives=prof.collectives, collectives_by_kind=prof.by_kind,
-               peak_mem_bytes=peak)
-    rec["notes"] += list(dict.fromkeys(prof.notes)) + [f"uncounted bytes of {k} x{v}" for k, v in prof.unknown.items()]
-    if contestant.startswith("hca"):
-        rec.update(_hca_extras(run))
-    return rec
+        self.step(x, ref_grads)
+        self.rec["first_step_s"] = time.perf_counter() - t0
+
+    def timed(self, batches: list) -> None:
+        """One round: each step starts after a barrier."""
+        times = []
+        for x in batches:
+            dist.barrier()
+            t0 = time.perf_counter()
+            self.step(x)
+            times.append(time.perf_counter() - t0)
+        self.times += times
+        self.rec.setdefault("round_step_times_s", []).append(statistics.median(times))
+
+    def finish(self, x: torch.Tensor, trace_path: str | None) -> dict:
+        rec = self.rec
+        rec["step_time_s"], rec["step_times_s"] = statistics.median(self.times), self.times
+        rec["compile_time_s"] = max(rec["first_step_s"] - rec["step_time_s"], 0.0)
+        dist.barrier()
+        cuda = self.mesh.device_type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        with StepProfile(rec["world_size"]) as prof:
+            self.step(x)
+        peak = torch.cuda.max_memory_allocated() if cuda else _resident_bytes(self.built.model) + prof.peak_alloc_bytes
+        rec.update(bytes_per_step=prof.wire_bytes, collectives=prof.collectives, collectives_by_kind=prof.by_kind,
+                   peak_mem_bytes=peak)
+        rec["notes"] += list(dict.fromkeys(prof.notes)) + [f"uncounted bytes of {k} x{v}" for k, v in prof.unknown.items()]
+        if trace_path:
+            dist.barrier()
+            rec["profile"] = traced_step(lambda: self.step(x), trace_path)
+        if rec["contestant"].startswith("hca"):
+            rec.update(_hca_extras(self.built.run))
+        return rec
 
 
 def _hca_extras(compiled) -> dict:
@@ -264,6 +323,99 @@ def _hca_extras(compiled) -> dict:
         out.update(exposed_comm_est_s=tl.after.exposed_comm_s, exposed_comm_est_unscheduled_s=tl.before.exposed_comm_s,
                    est_step_s=tl.after.total_s)
     return out
+
+
+# ------------------------------------------------------------ where the step time goes (--profile)
+
+STEP_MARKER = "torch_hca.bench.step"
+BREAKDOWN = ("compute", "collectives", "bucket_copies", "other")
+_COLLECTIVE_NS = ("c10d::", "_c10d_functional::", "c10d_functional::")
+_OP_NS = ("aten::", "fsdp::", *_COLLECTIVE_NS)
+# Copies that fill or empty a communication buffer when they sit next to a collective.
+_COPY_OPS = frozenset({
+    "aten::cat", "aten::_chunk_cat", "aten::split", "aten::split_with_sizes", "aten::split_with_sizes_copy",
+    "aten::copy_", "aten::_foreach_copy_", "aten::chunk", "aten::unbind", "aten::clone",
+    "fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy",
+})
+_VIEW_OPS = frozenset({"aten::view", "aten::reshape", "aten::_unsafe_view", "aten::flatten", "aten::as_strided",
+                       "aten::narrow", "aten::slice", "aten::select", "aten::detach", "aten::alias", "aten::t"})
+# Regions whose every op is bucket work: DDP's copies into and out of its buckets, FSDP2's copy-in/out.
+_BUCKET_REGIONS = ("reducer::", "copy_in", "copy_out")
+
+
+def traced_step(step: Callable[[], None], path: str) -> dict[str, float]:
+    """Run `step` under torch.profiler, write its Chrome trace to `path`, return `step_breakdown`."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        with record_function(STEP_MARKER):
+            step()
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        return step_breakdown(json.load(f))
+
+
+def _tree(events: list) -> list:
+    """Nest complete events by time: [(event, children)], the roots in time order."""
+    roots: list = []
+    stack: list = []
+    for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
+        while stack and e["ts"] >= stack[-1][0]["ts"] + stack[-1][0]["dur"]:
+            stack.pop()
+        node = (e, [])
+        (stack[-1][1] if stack else roots).append(node)
+        stack.append(node)
+    return roots
+
+
+def _bucket_copies(siblings: list) -> set:
+    """Copy ops in a run (views allowed) that touches a collective among `siblings`."""
+    names = [e["name"] for e, _ in siblings]
+    found = set()
+    for i, name in enumerate(names):
+        if not name.startswith(_COLLECTIVE_NS):
+            continue
+        for way in (range(i - 1, -1, -1), range(i + 1, len(names))):
+            for j in way:
+                if names[j] not in _COPY_OPS and names[j] not in _VIEW_OPS:
+                    break
+                found.add(j)
+    return found
+
+
+def _claim(siblings: list, totals: dict) -> None:
+    """Add each event's time to its kind; what no op claims is left for `other`."""
+    copies = _bucket_copies(siblings)
+    for i, (e, children) in enumerate(siblings):
+        name = e["name"]
+        if name.startswith(_COLLECTIVE_NS):
+            totals["collectives"] += e["dur"]
+        elif i in copies or any(r in name for r in _BUCKET_REGIONS):
+            totals["bucket_copies"] += e["dur"]
+        else:
+            # An op dispatched to a tensor subclass in Python (DTensor) is not compute itself.
+            op = name.startswith(_OP_NS) and not any(c["name"] == "PythonSubclass" for c, _ in children)
+            if op:
+                totals["compute"] += e["dur"] - sum(c["dur"] for c, _ in children)
+            _claim(children, totals)
+
+
+def step_breakdown(trace: dict, marker: str = STEP_MARKER) -> dict[str, float]:
+    """Seconds of the step marked `marker` in a Chrome trace, on the thread that ran it:
+
+    compute        aten ops' own time (not their nested ops')
+    collectives    c10d and functional-collective ops, waits included, with what they call
+    bucket_copies  cat / split / copy_ next to a collective, DDP's and FSDP2's bucket regions
+    other          the rest: Python, FX interpretation, Dynamo guards, autograd, and kernels
+                   the profiler does not see as ops (Inductor's generated C++)
+    """
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    step = max((e for e in events if e["name"] == marker), key=lambda e: e["dur"])
+    end = step["ts"] + step["dur"]
+    inside = [e for e in events if e is not step and e["tid"] == step["tid"] and e["pid"] == step["pid"]
+              and step["ts"] <= e["ts"] < end]
+    totals = dict.fromkeys(BREAKDOWN, 0.0)
+    _claim(_tree(inside), totals)
+    totals["other"] = max(step["dur"] - sum(totals.values()), 0.0)
+    return {"step_s": step["dur"] * 1e-6, **{f"{k}_s": v * 1e-6 for k, v in totals.items()}}
 
 
 # ------------------------------------------------------------ analytic minimum
@@ -300,37 +452,97 @@ def _failure(e: BaseException) -> str:
     return f"{names}: {first}"[:400]
 
 
-def run_rank(models: list, contestants: list, steps: int, tiny: bool, calibrate: bool = False) -> list:
-    mesh = init_mesh()
-    n = dist.get_world_size()
-    # hca's cost model in this run: measured on these ranks (rank 0's figures), or {} for the defaults.
-    costs = hca_calibrate() if calibrate else {}
-    records = []
-    for name in models:
-        spec = specs(tiny)[name]
-        torch.manual_seed(0)
-        ref = spec.build()
-        gen = torch.Generator().manual_seed(1)
-        batches = [spec.batch(gen) for _ in range(steps + 2)]  # warm-up, timed steps, profiled step
-        ref_copy = copy.deepcopy(ref)
-        spec.loss(ref_copy(batches[0]), batches[0]).backward()
-        ref_grads = {k: p.grad.clone() for k, p in ref_copy.named_parameters()}
-        amin, why = _analytic_min(spec, ref, batches[0], n)
-        for c in contestants:
-            if not applies(spec.kind, c):
-                continue
+@dataclass(frozen=True)
+class RunConfig:
+    steps: int = 5  # timed steps per round
+    tiny: bool = False
+    calibrate: bool = False  # hca's cost model from hca.calibrate(cache=True): cached, else measured
+    recalibrate: bool = False  # measure it even when cached (implies calibrate)
+    rounds: int = 1  # round-robin rounds of `steps` timed steps per contestant
+    profile_dir: str | None = None  # write a Chrome trace of one more step per contestant and rank
+
+
+_FAILED_KEYS = ("bytes_per_step", "collectives", "step_time_s", "compile_time_s", "peak_mem_bytes", "max_grad_rel_err")
+
+
+def _fail(rec: dict, e: BaseException, progress: Progress) -> None:
+    """Make `rec` a failed row; the other ranks failed the same way (every rank runs the same program)."""
+    msg = _failure(e)
+    progress(f"{rec['model']}: {rec['contestant']} failed: {msg[:80]}")
+    rec.update(failed=msg, **dict.fromkeys(_FAILED_KEYS))
+    rec["notes"].append(f"failed: {msg}")
+    dist.barrier()
+
+
+def _reference(spec: Spec, batches_needed: int) -> tuple[nn.Module, dict, list]:
+    """The model (seed 0), the batches (seed 1), and a single device's gradients on the first batch."""
+    torch.manual_seed(0)
+    ref = spec.build()
+    gen = torch.Generator().manual_seed(1)
+    batches = [spec.batch(gen) for _ in range(batches_needed)]
+    ref_copy = copy.deepcopy(ref)
+    spec.loss(ref_copy(batches[0]), batches[0]).backward()
+    return ref, {k: p.grad.clone() for k, p in ref_copy.named_parameters()}, batches
+
+
+def _run_model(spec: Spec, contestants: list, cfg: RunConfig, mesh, costs: dict, progress: Progress) -> list:
+    n, rank = dist.get_world_size(), dist.get_rank()
+    progress(f"{spec.name}: single-device reference ...")
+    ref, ref_grads, batches = _reference(spec, cfg.steps + 2)  # first step, timed steps, profiled step
+    amin, why = _analytic_min(spec, ref, batches[0], n)
+    records, live = [], []
+    torch._dynamo.reset()
+    for c in (c for c in contestants if applies(spec, c, n)):
+        progress(f"{spec.name}: {c} ...")
+        rec = {"model": spec.name, "contestant": c, "world_size": n, "notes": []}
+        try:
+            entry = Contestant(spec, c, ref, mesh, costs)
+            rec = entry.rec
+            entry.first(batches[0], ref_grads)
+            live.append(entry)
+        except Exception as e:  # noqa: BLE001 - a contestant that fails is reported, not fatal
+            _fail(rec, e, progress)
+        rec["analytic_min_bytes"], rec["analytic_min_why"] = amin, why
+        records.append(rec)
+    for r in range(cfg.rounds):
+        if cfg.rounds > 1:
+            progress(f"{spec.name}: timed round {r + 1}/{cfg.rounds}")
+        for entry in list(live):
             try:
-                rec = _run_one(spec, c, ref, ref_grads, batches, mesh, costs)
-            except Exception as e:  # noqa: BLE001 - a contestant that fails is reported, not fatal
-                msg = _failure(e)
-                rec = {"model": name, "contestant": c, "world_size": n, "failed": msg, "notes": [f"failed: {msg}"],
-                       **dict.fromkeys(("bytes_per_step", "collectives", "step_time_s", "compile_time_s",
-                                        "peak_mem_bytes", "max_grad_rel_err"))}
-                dist.barrier()
-            rec["analytic_min_bytes"], rec["analytic_min_why"] = amin, why
-            if c.startswith("hca"):
-                rec["cost_model"] = dict(costs) or "defaults"
-            records.append(rec)
+                entry.timed(batches[1:-1])
+            except Exception as e:  # noqa: BLE001
+                live.remove(entry)
+                _fail(entry.rec, e, progress)
+    for entry in live:
+        c = entry.rec["contestant"]
+        path = os.path.join(cfg.profile_dir, f"{spec.name}_{c}_rank{rank}.json") if cfg.profile_dir else None
+        try:
+            entry.finish(batches[-1], path)
+        except Exception as e:  # noqa: BLE001
+            _fail(entry.rec, e, progress)
+    return records
+
+
+def run_rank(models: list, contestants: list, cfg: RunConfig, since: float | None = None) -> list:
+    mesh = init_mesh()
+    progress = Progress("bench", since, enabled=dist.get_rank() == 0)
+    # hca's cost model in this run: rank 0's calibrated figures (cached or measured), or {} for the defaults.
+    costs, source = {}, "defaults"
+    if cfg.calibrate or cfg.recalibrate:
+        progress("calibrating the cost model on the ranks ..." if cfg.recalibrate else
+                 "cost model: the cached calibration, else calibrating on the ranks ...")
+        costs, cached = cached_calibrate(refresh=cfg.recalibrate)
+        source = "cached" if cached else "measured"
+    records = []
+    # Contestants of one model live side by side: each compiles into its own cache entry
+    # (the backend is part of the guard). Shapes stay static as in a fresh process: hca_dp's
+    # half batch must not make Dynamo recompile the other contestants with dynamic shapes.
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=4 * len(CONTESTANTS)):
+        for name in models:
+            for rec in _run_model(specs(cfg.tiny)[name], contestants, cfg, mesh, costs, progress):
+                if rec["contestant"].startswith("hca"):
+                    rec["cost_model"], rec["cost_model_source"] = dict(costs) or "defaults", source
+                records.append(rec)
     return records
 
 
@@ -354,7 +566,17 @@ def _merge(per_rank: list) -> list:
         for r in rows:
             if r["contestant"] == "hca":
                 r["step_time_ratio_vs"] = {o["contestant"]: o["hca_step_time_ratio"] for o in rows if o is not r}
+                r.update(_regret(r, rows))
     return merged
+
+
+def _regret(hca: dict, rows: list) -> dict:
+    """hca's step time over the fastest of the other layouts it could have chosen (> 1: one was faster)."""
+    alts = {r["contestant"]: r["step_time_s"] for r in rows if r["contestant"] in ALTERNATIVES and r["step_time_s"]}
+    if not hca["step_time_s"] or not alts:
+        return {"regret": None, "regret_vs": None, "regret_alternatives_s": alts}
+    best = min(alts, key=alts.get)
+    return {"regret": hca["step_time_s"] / alts[best], "regret_vs": best, "regret_alternatives_s": alts}
 
 
 def _fmt_bytes(b) -> str:
@@ -404,6 +626,30 @@ def _fewest_bytes(rows: list) -> list[str]:
             f"{_fmt_bytes(best['bytes_per_step'])})"]
 
 
+def _regret_line(rows: list) -> list[str]:
+    hca = next((r for r in rows if r["contestant"] == "hca"), None)
+    if hca is None or hca.get("regret") is None:
+        return []
+    alts = ", ".join(f"{c} {1e3 * t:.2f}" for c, t in hca["regret_alternatives_s"].items())
+    return [f"regret {hca['regret']:.2f}: hca {1e3 * hca['step_time_s']:.2f} ms / {hca['regret_vs']} "
+            f"{1e3 * hca['regret_alternatives_s'][hca['regret_vs']]:.2f} ms, the fastest other layout "
+            f"(ms: {alts}); above 1, a layout hca could have chosen was faster"]
+
+
+def _profile_table(records: list) -> list[str]:
+    """Where each contestant's profiled step went (rank 0's trace)."""
+    rows = [r for r in records if r.get("profile")]
+    if not rows:
+        return []
+    table = [("model", "contestant", "step ms", "compute", "collectives", "bucket copies", "other")]
+    for r in rows:
+        p = r["profile"]
+        share = lambda k: f"{1e3 * p[k + '_s']:.2f} ({100 * p[k + '_s'] / p['step_s']:.0f}%)" if p["step_s"] else "n/a"
+        table.append((r["model"], r["contestant"], f"{1e3 * p['step_s']:.2f}", *(share(k) for k in BREAKDOWN)))
+    return ["== where the step time goes: one more profiled step, rank 0 (ms, share of the step); "
+            "other = Python, FX, Dynamo, autograd, Inductor's C++ kernels ==", *_aligned(table), ""]
+
+
 def _schedule_table(records: list) -> list[str]:
     table = [("model", "exposed comm est. off -> on (ms)", "step ms off", "step ms on", "on/off")]
     for model in dict.fromkeys(r["model"] for r in records):
@@ -432,8 +678,9 @@ FOOTNOTES = [
     "may run the same storage differently (hca's layout solver may gather small weights instead of reducing "
     "activations, or move activations instead of FSDP weights), so it can land above or below 1. "
     "coll/step: c10d collectives issued in that step, a coalesced one counted once.",
-    "step ms: median of the timed steps (after 1 warm-up step), forward + backward + SGD step, each step "
-    "started after a barrier, slowest rank's median; hca/this: hca's step time over this contestant's "
+    "step ms: median of the timed steps of every round (after 1 warm-up step), forward + backward + SGD step, "
+    "each step started after a barrier, slowest rank's median; with --rounds K the contestants take turns, "
+    "--steps steps each, K times; hca/this: hca's step time over this contestant's "
     "(< 1: hca is faster). compile s: first step minus the median step (for eager contestants, first-call "
     "set-up such as DDP's buckets or FSDP2's lazy init).",
     "peak mem: what lives across steps (this rank's parameters or parameter shards, and DDP's gradient buckets; "
@@ -444,6 +691,9 @@ FOOTNOTES = [
     "torch.cuda.max_memory_allocated instead (not exercised: the bench runs on CPU gloo ranks).",
     "grad rel err: max over parameters of |g - g_ref| / |g_ref| after the first step vs a single-device run "
     "on the full batch.",
+    "regret: hca's step ms over the fastest of the other layouts hca could have chosen, each compiled by hca "
+    "(hca_dtensor_layout: DTensor's per-op choices on the same storage; hca_dp: replicated, batch split); "
+    "the expert plans' storage is hca's plan here, so it adds no contestant.",
 ]
 
 
@@ -461,14 +711,16 @@ def tables(records: list) -> str:
         amin = rows[0]["analytic_min_bytes"]
         lines.append(f"== {model} (world size {rows[0]['world_size']}; analytic minimum {_fmt_bytes(amin)}/step/rank: "
                      f"{rows[0]['analytic_min_why']}) ==")
-        lines += _aligned([_HEAD] + [_row(r, amin, mark) for r in rows]) + _fewest_bytes(rows) + [""]
-    lines += _schedule_table(records)
+        lines += _aligned([_HEAD] + [_row(r, amin, mark) for r in rows]) + _fewest_bytes(rows) + _regret_line(rows)
+        lines.append("")
+    lines += _schedule_table(records) + _profile_table(records)
     lines += [f"[{i + 1}] {t}" for i, t in enumerate(FOOTNOTES + foot)]
     return "\n".join(lines)
 
 
 def main(world_size: int = 2, steps: int = 5, models=MODELS, contestants=CONTESTANTS, json_path=None,
-         tiny: bool = False, calibrate: bool = False) -> int:
+         tiny: bool = False, calibrate: bool = False, *, recalibrate: bool = False, rounds: int = 1,
+         profile_dir: str | None = None) -> int:
     models, contestants = list(models), list(contestants)
     for m in models:
         if m not in MODELS:
@@ -478,13 +730,25 @@ def main(world_size: int = 2, steps: int = 5, models=MODELS, contestants=CONTEST
             raise SystemExit(f"unknown contestant {c!r}; choose from {', '.join(CONTESTANTS)}")
     if steps < 1:
         raise SystemExit("--steps must be >= 1")
+    if rounds < 1:
+        raise SystemExit("--rounds must be >= 1")
+    if profile_dir:
+        os.makedirs(profile_dir, exist_ok=True)
+    timed = f"{steps} timed" + (f" x {rounds} rounds" if rounds > 1 else "")
     print(f"torch_hca bench: {', '.join(models)} x {', '.join(contestants)} on {world_size} local gloo ranks, "
-          f"{'tiny models, ' if tiny else ''}1 warm-up + {steps} timed + 1 profiled step(s)\n", flush=True)
-    records = _merge(launch(run_rank, world_size, models, contestants, steps, tiny, calibrate, timeout_s=1800.0))
+          f"{'tiny models, ' if tiny else ''}1 warm-up + {timed} + {2 if profile_dir else 1} profiled step(s)\n",
+          flush=True)
+    cfg = RunConfig(steps, tiny, calibrate, recalibrate, rounds, os.path.abspath(profile_dir) if profile_dir else None)
+    progress = Progress("bench")  # one line per model and contestant, on stderr
+    progress(f"starting {world_size} local gloo ranks")
+    records = _merge(launch(run_rank, world_size, models, contestants, cfg, progress.since, timeout_s=1800.0))
+    progress(f"done: {len(records)} records")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(records, f, indent=2)
     print(tables(records))
     if json_path:
         print(f"\nwrote {len(records)} records to {os.path.abspath(json_path)}")
+    if profile_dir:
+        print(f"wrote Chrome traces ({{model}}_{{contestant}}_rank{{r}}.json) to {os.path.abspath(profile_dir)}")
     return 0

@@ -12,6 +12,11 @@ defaults are rough. This measures, on the current process group and device:
 Ranks measure different numbers, and the solver must make the same choice on
 every rank, so rank 0's figures are broadcast and every rank returns them.
 Use the result as ``options={"cost_model": hca.calibrate()}``.
+
+``hca.calibrate(cache=True)`` measures once per machine: it returns the figures
+cached for (rank 0's host, world size, backend, torch version) when there are
+some (`torch_hca.cost_model.cached_calibration`; rank 0 reads, every rank gets
+its answer), else measures and stores them; ``refresh=True`` measures again.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from .collective_kinds import RULES, Kind
-from .errors import MeshError
+from .cost_model import cached_calibration, store_calibration
+from .errors import HCAError, MeshError
 from .mesh import current_mesh
 
 FIELDS = ("launch_s", "alpha_s", "bytes_per_s", "flops_per_s", "memory_bytes_per_s")
@@ -45,12 +51,52 @@ def _best_s(fn: Callable[[], None], repeats: int) -> float:
     return min(times)
 
 
-def calibrate(repeats: int = 20) -> dict[str, float]:
-    """Cost-model figures measured on the world's process group (rank 0's, on every rank)."""
+def calibrate(repeats: int = 20, *, cache: bool = False, refresh: bool = False) -> dict[str, float]:
+    """Cost-model figures measured on the world's process group (rank 0's, on every rank).
+
+    cache: use the figures cached for this host, world size, backend and torch
+    version, or measure and cache them; refresh: measure and cache even so.
+    """
+    return cached_calibrate(repeats, refresh=refresh)[0] if cache or refresh else _measure(_checked(repeats))
+
+
+def cached_calibrate(repeats: int = 20, refresh: bool = False) -> tuple[dict[str, float], bool]:
+    """(figures, whether they came from the cache): the cached ones unless `refresh`, else
+    measured and stored by rank 0. Rank 0 decides, so every rank takes the same branch."""
+    _checked(repeats)
+    figures = None if refresh else _rank0_cached()
+    if figures is not None:
+        return figures, True
+    figures = _measure(repeats)
+    if dist.get_rank() == 0:
+        store_calibration(figures)
+    return figures, False
+
+
+def _checked(repeats) -> int:
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise HCAError(f"hca.calibrate: repeats={repeats!r}; give a positive int (timed runs per figure, default 20)")
     if not dist.is_initialized():
         raise MeshError("hca.calibrate(): no process group; call hca.init_mesh() first (or run under hca.launch)")
+    return repeats
+
+
+def _device() -> torch.device:
     mesh = current_mesh()
-    device = torch.device(mesh.device_type if mesh is not None else "cpu")
+    return torch.device(mesh.device_type if mesh is not None else "cpu")
+
+
+def _rank0_cached() -> dict[str, float] | None:
+    """Rank 0's cache entry for this world, on every rank (None on every rank when it has none)."""
+    found = cached_calibration() if dist.get_rank() == 0 else None
+    flat = torch.tensor([found is not None, *(found[k] if found else 0.0 for k in FIELDS)],
+                        dtype=torch.float64, device=_device())
+    dist.broadcast(flat, src=0)
+    return dict(zip(FIELDS, flat[1:].tolist())) if flat[0] else None
+
+
+def _measure(repeats: int) -> dict[str, float]:
+    device = _device()
     n = dist.get_world_size()
     tiny = torch.ones(1, device=device)
     big = torch.ones(2 ** 20, device=device)  # 4 MiB of fp32

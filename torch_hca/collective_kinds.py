@@ -19,7 +19,7 @@ Every transpose is itself a kind in the table, so the table is closed under
 transposition and each pair is checked as an adjoint identity
 ``<A x, y> = <x, A^T y>`` over the whole mesh (tests/test_collective_table.py).
 The transposes are the physical ones. Which one backward needs depends on the
-cotangent roles (DESIGN.md section 1): all_reduce's physical transpose is
+cotangent roles (docs/theory.md, section 4): all_reduce's physical transpose is
 all_reduce, but a cotangent that is already the same on every rank needs no
 communication (R -> P, the deferred role).
 

@@ -57,10 +57,18 @@ Pictures on three ranks (rows are ranks; ``+`` marks a pending sum)::
 Anything else raises `RoleError`, naming the op, the roles, and the fix. The
 classic trap: ``all_reduce(loss, src="R", ...)`` would count a replicated
 value n times; declare it P if each rank holds a summand, or do not reduce it.
+
+Before gloo sees an eager call (forward or backward), the ranks of its group
+compare it through the rendezvous store: ranks that disagree on the op, roles,
+root, shift, local shape or dtype get a `CollectiveError` listing each rank's
+call (gloo would abort the process), and a call on some ranks only is a
+`CheckError` naming the others after `torch_hca.mesh.timeout_s()`. Compiled
+calls are not checked; `unchecked()` turns the check off for a block.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -69,14 +77,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ._torch_private import group_rank, group_size
+from ._torch_private import group_members, group_rank, group_size
 from .collective_kinds import RULES, Kind
 from .errors import CollectiveError, MeshError, RoleError
+from .exchange import exchange, needs_exchange
 from .mesh import current_mesh
 
 Tensor = torch.Tensor
 
-__all__ = ["Role", "all_gather", "all_reduce", "all_to_all", "broadcast", "ppermute", "reduce_scatter", "role"]
+__all__ = ["Role", "all_gather", "all_reduce", "all_to_all", "broadcast", "ppermute", "reduce_scatter", "role",
+           "unchecked"]
 
 
 # ----------------------------------------------------------------- roles
@@ -125,7 +135,13 @@ def _where(group: Any, mesh_dim: int | str | None) -> _Where:
     """The group to communicate over: a ProcessGroup, a group name, a DeviceMesh
     dimension (``group=mesh, mesh_dim=...``, or the current mesh), or the world."""
     if isinstance(group, str):
-        return _Where(group, group_rank(group), group_size(group))
+        try:
+            return _Where(group, group_rank(group), group_size(group))
+        except Exception:
+            raise MeshError(
+                f"hca.collectives: group={group!r} names no process group of this process; pass a ProcessGroup, "
+                "a DeviceMesh with mesh_dim=, or the group_name of one"
+            ) from None
     if not dist.is_initialized():
         raise MeshError(
             "hca.collectives: no process group is initialized; run under torchrun or "
@@ -136,9 +152,28 @@ def _where(group: Any, mesh_dim: int | str | None) -> _Where:
         if group is None:
             raise MeshError(f"hca.collectives: mesh_dim={mesh_dim!r} given but no mesh; call hca.init_mesh(...) first")
     if hasattr(group, "get_group"):  # a DeviceMesh
-        group = group.get_group(mesh_dim if mesh_dim is not None else 0)
+        group = group.get_group(_mesh_dim(group, mesh_dim))
     group = dist.group.WORLD if group is None else group
+    if not isinstance(group, dist.ProcessGroup):
+        raise MeshError(
+            f"hca.collectives: group={group!r} is not a group; pass a ProcessGroup, a DeviceMesh (with mesh_dim=), "
+            "a group name, or nothing for the world"
+        )
     return _Where(group.group_name, dist.get_rank(group), dist.get_world_size(group))
+
+
+def _mesh_dim(mesh: Any, mesh_dim: int | str | None) -> int | str:
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh_dim is None:
+        return 0
+    if isinstance(mesh_dim, str) and mesh_dim in names:
+        return mesh_dim
+    if isinstance(mesh_dim, int) and not isinstance(mesh_dim, bool) and 0 <= mesh_dim < mesh.ndim:
+        return mesh_dim
+    raise MeshError(
+        f"hca.collectives: mesh_dim={mesh_dim!r} is not a dimension of the {mesh.ndim}-D mesh "
+        f"{tuple(mesh.shape)}; use 0..{mesh.ndim - 1}" + (f" or one of the names {names}" if names else "")
+    )
 
 
 # ------------------------------------------------------ the autograd core
@@ -167,11 +202,78 @@ class _Collective(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, where: _Where, fwd: tuple, bwd: tuple) -> Tensor:
         ctx.where, ctx.bwd = where, bwd
+        _agree(where, "forward", fwd, x, then=bwd)
         return _run(fwd, x, where)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        _agree(ctx.where, "backward", ctx.bwd, grad)
         return _run(ctx.bwd, grad, ctx.where), None, None, None
+
+
+# ------------------------------------------------------ cross-rank agreement
+
+# gloo aborts the process (SIGABRT) when the ranks of a group disagree on a
+# collective's size or dtype, and waits for a rank that never calls. So before
+# gloo sees a call, the group's ranks post what they are about to do through the
+# store and compare: a mismatch is a CollectiveError naming the ranks, a rank
+# that never comes a CheckError naming it after `torch_hca.mesh.timeout_s()`.
+# Only eagerly: under torch.compile the graph was traced from a checked program.
+# Per call, not per distinct call: a rank-dependent shape alternates between
+# shapes every rank has already shown (an uneven last batch), so a cache of
+# checked signatures would let the abort through.
+
+_unchecked_depth = 0
+
+
+@contextlib.contextmanager
+def unchecked():
+    """Skip the cross-rank check of each call inside this block.
+
+    The check costs one store exchange per eager call (about 1 ms on 2 gloo
+    ranks, docs/reliability.md). Use this only around calls known to agree on
+    every rank: a disagreement then aborts the process in gloo, or hangs.
+    """
+    global _unchecked_depth
+    _unchecked_depth += 1
+    try:
+        yield
+    finally:
+        _unchecked_depth -= 1
+
+
+def _plan_text(plan: tuple) -> str:
+    steps = (f"{getattr(k, 'value', k)}({', '.join(f'{n}={v}' for n, v in params)})" for k, params in plan)
+    return " then ".join(steps) or "nothing"
+
+
+def _communicates(plan: tuple) -> bool:
+    return any(kind in RULES and RULES[kind].communicates for kind, _ in plan)
+
+
+def _agree(where: _Where, direction: str, plan: tuple, x: Tensor, then: tuple = ()) -> None:
+    """Every rank of the group is about to run `plan` on a tensor of x's shape and dtype, or raise."""
+    if torch.compiler.is_compiling() or _unchecked_depth or not _communicates(plan) or not needs_exchange():
+        return
+    call = f"{direction} {_plan_text(plan)} on {str(x.dtype).removeprefix('torch.')}{list(x.shape)}"
+    if direction == "forward":
+        call += f", backward {_plan_text(then)}"  # the roles: dst R and I differ only here
+    members = group_members(where.group_name)
+    group = "the world" if len(members) == dist.get_world_size() else f"group {where.group_name} (ranks {members})"
+    texts = exchange(f"collectives/{where.group_name}", call, members, f"hca.collectives ({call}) over {group}")
+    texts[dist.get_rank()] = call
+    if len(set(texts.values())) == 1:
+        return
+    calls: dict[str, list[int]] = {}
+    for r in sorted(texts):
+        calls.setdefault(texts[r], []).append(r)
+    raise CollectiveError(
+        f"hca.collectives: the ranks of {group} disagree on the collective they call: "
+        + "; ".join(f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}: {c}" for c, rs in calls.items())
+        + ". Every rank of the group must make the same call (op, roles, root or shift) on a tensor of the "
+        "same local shape and dtype (gloo would abort the process); look for a rank-dependent shape, such as "
+        "an uneven last batch, or a rank-dependent branch"
+    )
 
 
 # What is left of a summing transpose when the cotangent it would sum is already
@@ -185,6 +287,10 @@ _SUMMED = {
 
 def _differentiable(x: Tensor, where: _Where, kind: Kind, dst: Role, **params: Any) -> Tensor:
     """Apply `kind`; backward is its transpose from the table, reduced to its local part for dst R."""
+    if not isinstance(x, Tensor):
+        raise CollectiveError(
+            f"hca.collectives.{kind.value}: the value {x!r} is a {type(x).__name__}, not a tensor; pass this rank's tensor"
+        )
     rule = RULES[kind]
     back_params = rule.transpose_params(params)
     if dst.kind == "R" and rule.transpose in _SUMMED:
@@ -333,6 +439,8 @@ def broadcast(x: Tensor, src: Any, dst: Any, *, root: int = 0, group: Any = None
         raise _reject("broadcast", src, dst,
                       f"broadcast copies the root's value, so src must be 'V' (a {src} value is not the root's alone)")
     _dst_same_everywhere("broadcast", src, dst)
+    if isinstance(root, bool) or not isinstance(root, int):
+        raise CollectiveError(f"hca.collectives.broadcast: root={root!r} must be an int, the root's rank within the group")
     return _differentiable(x, where, Kind.BROADCAST, dst, root=root)
 
 
@@ -357,5 +465,7 @@ def ppermute(x: Tensor, src: Any, dst: Any, *, shift: int | None = None, perm=No
         raise CollectiveError(
             "hca.collectives.ppermute: give exactly one of shift= (a ring shift) or perm= (rank r sends to perm[r])"
         )
+    if shift is not None and (isinstance(shift, bool) or not isinstance(shift, int)):
+        raise CollectiveError(f"hca.collectives.ppermute: shift={shift!r} must be an int (rank r sends to r + shift mod n)")
     route = {"shift": shift} if perm is None else {"perm": tuple(perm)}
     return _differentiable(x, where, Kind.PERMUTE, dst, **route)

@@ -18,17 +18,33 @@ calibrate them for a cluster with ``options={"cost_model": {...}}``:
 | bytes_per_s        | 1e9             | 50e9        |
 | flops_per_s        | 20e9            | 50e12       |
 | memory_bytes_per_s | 10e9            | 3e12        |
+
+Figures measured once per machine can be kept on disk: ``hca.calibrate(cache=True)``
+stores them in ``calibration.json`` under `cache_dir()`, keyed by (rank 0's host,
+world size, backend, torch version), and `cached_calibration()` reads them back.
+The compiler does not read the cache by itself; pass the figures::
+
+    torch.compile(model, backend="hca", options={"cost_model": hca.calibrate(cache=True)})
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import json
+import math
+import numbers
+import os
+import socket
+import tempfile
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .collective_kinds import RULES, Kind
-from .errors import OptionsError
+from .errors import HCAError, OptionsError
 
 
 def ring_steps(kind: Kind, n: int) -> int:
@@ -112,9 +128,104 @@ def with_overrides(model: CostModel, overrides: Mapping[str, Any] | None) -> Cos
         raise OptionsError(f"options['cost_model']: unknown field(s) {unknown}; the fields are {sorted(fields)}")
     for key, value in overrides.items():
         latency = key in ("launch_s", "alpha_s")  # may be 0; rates may not
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (value == 0 and not latency):
+        if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+                or value < 0 or (value == 0 and not latency)):
             raise OptionsError(
-                f"options['cost_model'][{key!r}] = {value!r}; give a number "
-                f"{'>= 0' if latency else '> 0'}"
+                f"options['cost_model'][{key!r}] = {value!r}; give a finite number "
+                f"{'>= 0' if latency else '> 0'}" + ("" if latency else " (a huge one, e.g. 1e15, makes it free)")
             )
     return dataclasses.replace(model, **{k: float(v) for k, v in overrides.items()})
+
+
+# ------------------------------------------------------------ calibration cache
+# One JSON file of entries {host, world_size, backend, torch, figures, measured_at};
+# an entry is used only when all four keys match. A file that cannot be read is
+# ignored with a warning (and replaced by the next store), never an error.
+
+CACHE_FILE = "calibration.json"
+_KEY = ("host", "world_size", "backend", "torch")
+
+
+def cache_dir() -> Path:
+    """$TORCH_HCA_CACHE_DIR, else $XDG_CACHE_HOME/torch_hca, else ~/.cache/torch_hca."""
+    if os.environ.get("TORCH_HCA_CACHE_DIR"):
+        return Path(os.environ["TORCH_HCA_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "torch_hca"
+
+
+def calibration_key(world_size: int | None = None, backend: str | None = None) -> dict[str, Any]:
+    """This process's key: host name, world size and backend (from the process group when not
+    given), torch version."""
+    import torch
+    import torch.distributed as dist
+
+    if world_size is None or backend is None:
+        if not dist.is_initialized():
+            raise HCAError("calibration cache: no process group to read the world size and backend from; "
+                           "pass world_size= and backend= (e.g. 2, 'gloo') or call hca.init_mesh() first")
+        world_size = dist.get_world_size() if world_size is None else world_size
+        backend = str(dist.get_backend()) if backend is None else backend
+    return {"host": socket.gethostname(), "world_size": int(world_size), "backend": backend,
+            "torch": torch.__version__}
+
+
+def _read_entries(path: Path) -> list[dict]:
+    """The file's entries; [] when it is missing, with a warning when it cannot be used."""
+    try:
+        data = json.loads(path.read_text())
+        entries = data["entries"]
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise ValueError("'entries' is not a list of objects")
+        return entries
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        warnings.warn(f"torch_hca: ignoring the calibration cache {path} ({type(e).__name__}: {e}); "
+                      "hca.calibrate(cache=True, refresh=True) measures again and rewrites it", stacklevel=3)
+        return []
+
+
+def _valid_figures(figures: Any) -> dict[str, float]:
+    fields = [f.name for f in dataclasses.fields(CostModel)]
+    if not isinstance(figures, Mapping) or sorted(figures) != sorted(fields):
+        raise ValueError(f"figures {figures!r} do not name exactly the fields {fields}")
+    with_overrides(DEFAULTS["gloo"], figures)  # OptionsError on a negative, zero rate, NaN or non-number
+    return {k: float(figures[k]) for k in fields}
+
+
+def cached_calibration(world_size: int | None = None, backend: str | None = None) -> dict[str, float] | None:
+    """The figures `store_calibration` kept for this host, world size, backend and torch
+    version, or None. Reads this process's file only: under several hosts, let rank 0 decide
+    (``hca.calibrate(cache=True)`` does), so that every rank solves with the same figures."""
+    key = calibration_key(world_size, backend)
+    path = cache_dir() / CACHE_FILE
+    for entry in _read_entries(path):
+        if all(entry.get(k) == key[k] for k in _KEY):
+            try:
+                return _valid_figures(entry.get("figures"))
+            except (ValueError, HCAError) as e:
+                warnings.warn(f"torch_hca: ignoring a calibration cache entry in {path} ({e})", stacklevel=2)
+                return None
+    return None
+
+
+def store_calibration(figures: Mapping[str, float], world_size: int | None = None,
+                      backend: str | None = None) -> Path:
+    """Keep `figures` as this key's entry (replacing an older one); returns the file's path.
+
+    Written to a temporary file and renamed, so a reader never sees half a file.
+    """
+    figures = _valid_figures(figures)
+    key = calibration_key(world_size, backend)
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / CACHE_FILE
+    kept = [e for e in _read_entries(path) if not all(e.get(k) == key[k] for k in _KEY)]
+    kept.append({**key, "figures": figures,
+                 "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+    fd, tmp = tempfile.mkstemp(prefix=CACHE_FILE, dir=folder)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"format": 1, "entries": kept}, f, indent=2)
+    os.replace(tmp, path)
+    return path

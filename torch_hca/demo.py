@@ -4,7 +4,8 @@ The model (`torch_hca.zoo.GPT`: causal attention, ``arange`` positions, the
 output projection tied to the token embedding) is written for one device.
 The demo compiles it with backend "hca", prints the DTensor program and the
 collectives table, trains a few Adam steps on a next-token loss next to a
-single-device copy, and checks gradients and parameters against it.
+single-device copy, and checks gradients and parameters against it. Progress
+lines with the elapsed time go to stderr (`torch_hca.progress`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from . import zoo
 from .launch import launch
 from .mesh import init_mesh
 from .plan import sharded
-from .report import report
+from .progress import Progress
+from .report import WIDTH, readable_code, report
 
 VOCAB, DIM, HEADS, HIDDEN, LAYERS, BATCH, SEQ, STEPS = 128, 128, 4, 512, 2, 2, 16, 5
 
@@ -28,8 +30,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def run_rank() -> dict:
+def run_rank(since: float | None = None) -> dict:
     mesh = init_mesh()
+    progress = Progress("demo", since, enabled=torch.distributed.get_rank() == 0)
+    progress(f"compiling the model and running step 1 of {STEPS} ...")
     torch.manual_seed(0)
     ref = zoo.GPT(VOCAB, DIM, HEADS, HIDDEN, LAYERS, max_len=SEQ)
     model = sharded(zoo.TP_GPT, mesh=mesh)(copy.deepcopy(ref))
@@ -46,6 +50,7 @@ def run_rank() -> dict:
         times.append(time.perf_counter() - t0)
         if step == 0:
             compile_s = time.perf_counter() - start
+            progress(f"step 1 done in {compile_s:.1f} s (compile included); steps 2-{STEPS} ...")
         ref_loss = zoo.lm_loss(ref(ids), ids)
         ref_loss.backward()
         refs = dict(ref.named_parameters())
@@ -53,12 +58,13 @@ def run_rank() -> dict:
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
+    progress(f"{STEPS} steps done; median step {1e3 * statistics.median(times[1:]):.1f} ms")
     refs = dict(ref.named_parameters())
     param_err = max(_rel(p.full_tensor(), refs[n]) for n, p in model.named_parameters())
     rep = report(compiled)
     return {
         "program": rep.dtensor_code.strip(),
-        "table": rep.table(),
+        "table": rep.table(WIDTH),
         "forward": rep.collective_counts("forward"),
         "backward": rep.collective_counts("backward"),
         "loss": loss.item(),
@@ -70,21 +76,39 @@ def run_rank() -> dict:
     }
 
 
-def main(world_size: int = 2) -> int:
-    print(f"torch_hca demo: GPT-style model ({LAYERS} layers, dim {DIM}, {HEADS} heads, MLP {HIDDEN}, "
-          f"vocab {VOCAB}, tied embeddings), tensor parallel over {world_size} local gloo ranks\n")
-    results = launch(run_rank, world_size)
+def header(world_size: int) -> str:
+    return (f"torch_hca demo: GPT-style model ({LAYERS} layers, dim {DIM}, {HEADS} heads, MLP {HIDDEN},\n"
+            f"vocab {VOCAB}, tied embeddings), tensor parallel over {world_size} local gloo ranks\n")
+
+
+def passed(results: list[dict]) -> bool:
+    return all(x["grad_err"] <= 1e-5 and x["param_err"] <= 1e-5 for x in results)
+
+
+def summary(results: list[dict]) -> str:
+    """What the demo prints once the ranks are done (lines of at most `report.WIDTH`)."""
     r = results[0]
-    print("== DTensor program (rank 0) ==")
-    print(r["program"])
-    print("\n== collectives in the compiled graphs ==")
-    print(r["table"])
-    ok = all(x["grad_err"] <= 1e-5 and x["param_err"] <= 1e-5 for x in results)
-    print("\n== summary ==")
-    print(f"collectives per step: forward {r['forward']}, backward {r['backward']}")
-    print(f"final loss {r['loss']:.6f} (single device {r['ref_loss']:.6f}) after {STEPS} Adam steps")
-    print(f"max gradient relative error vs single device: {max(x['grad_err'] for x in results):.2e}")
-    print(f"max parameter relative error after {STEPS} steps: {max(x['param_err'] for x in results):.2e}")
-    print(f"first call (compile + step) {r['compile_s']:.1f} s; median step {r['step_ms']:.1f} ms")
-    print("PASS: gradients match a single device (rel err <= 1e-5)" if ok else "FAIL: gradients differ from a single device")
-    return 0 if ok else 1
+    return "\n".join([
+        "== DTensor program (rank 0) ==",
+        readable_code(r["program"]),
+        "\n== collectives in the compiled graphs ==",
+        r["table"],
+        "\n== summary ==",
+        f"collectives per step: forward {r['forward']}, backward {r['backward']}",
+        f"final loss {r['loss']:.6f} (single device {r['ref_loss']:.6f}) after {STEPS} Adam steps",
+        f"max gradient relative error vs single device: {max(x['grad_err'] for x in results):.2e}",
+        f"max parameter relative error after {STEPS} steps: {max(x['param_err'] for x in results):.2e}",
+        f"first call (compile + step) {r['compile_s']:.1f} s; median step {r['step_ms']:.1f} ms",
+        "PASS: gradients match a single device (rel err <= 1e-5)" if passed(results)
+        else "FAIL: gradients differ from a single device",
+    ])
+
+
+def main(world_size: int = 2) -> int:
+    print(header(world_size), flush=True)
+    progress = Progress("demo")
+    progress(f"starting {world_size} local gloo ranks")
+    results = launch(run_rank, world_size, progress.since)
+    progress("done")
+    print(summary(results))
+    return 0 if passed(results) else 1

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ._torch_private import redistribute_to_partial
 from .errors import UnsupportedError
-from .logical import contiguous_stride, mesh_of
+from .logical import ScaleGrad, contiguous_stride, mesh_of
 
 
 def redistribute(x: DTensor, placements: tuple[Placement, ...]) -> DTensor:
@@ -41,9 +41,11 @@ def replicate(t: torch.Tensor, mesh: int) -> DTensor:
     return DTensor.from_local(t, m, (Replicate(),) * m.ndim, run_check=False)
 
 
-def to_output(x: DTensor, placements: tuple[Placement, ...]) -> torch.Tensor:
-    """A result as this rank's piece in the layout the caller receives."""
-    return x.redistribute(x.device_mesh, placements).to_local(grad_placements=placements)
+def to_output(x: DTensor, placements: tuple[Placement, ...], grad_scale: float = 1.0) -> torch.Tensor:
+    """A result as this rank's piece in the layout the caller receives (its cotangent times `grad_scale`)."""
+    local = x.redistribute(x.device_mesh, placements).to_local(grad_placements=placements)
+    return local if grad_scale == 1.0 else ScaleGrad.apply(local, grad_scale)
+
 
 
 # Callables `run_local` may name (FX arguments stay printable as strings).
@@ -82,8 +84,9 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     """
     if dropout_p:
         raise UnsupportedError(
-            "scaled_dot_product_attention with dropout_p > 0 is not supported on DTensors yet; "
-            "apply dropout outside attention"
+            f"scaled_dot_product_attention with dropout_p={dropout_p}: attention dropout is not supported on "
+            "DTensors yet; set the model's attention dropout to 0.0 (e.g. config.attn_pdrop / attention_dropout), "
+            "or apply dropout outside attention"
         )
     if enable_gqa:
         raise UnsupportedError("scaled_dot_product_attention(enable_gqa=True) is not supported yet")
@@ -126,7 +129,7 @@ class _EagerGradient(torch.autograd.Function):
     """Identity forward; backward sums a partial gradient back to the parameter's layout.
 
     The cotangent of a replicated parameter used by a split batch is partial
-    (DESIGN.md section 1: E_R* = Q_P). Under the eager role that sum happens
+    (docs/theory.md, section 1: E_R* = Q_P). Under the eager role that sum happens
     here, inside the backward graph, as one collective per parameter.
     """
 

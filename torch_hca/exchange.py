@@ -46,16 +46,20 @@ def exchange(topic: str, text: str, peers: Iterable[int], what: str, timeout_s: 
     store.set(prefix + str(rank), text)
     peers = sorted(set(peers) - {rank})
     keys = [prefix + str(r) for r in peers]
+    before = store.timeout
+    store.set_timeout(datetime.timedelta(seconds=timeout))  # client-side: no round trip
     try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
+        values = store.multi_get(keys) if keys else []  # waits for every key: one round trip
     except Exception as e:
+        store.set_timeout(before)
         late = [r for r, k in zip(peers, keys) if not store.check([k])]
         raise CheckError(
             f"{what}: rank(s) {late or peers} did not get there within {timeout:.0f} s (rank {rank} did). "
             "Either they are late (still starting, compiling or in a long step: raise the timeout with "
             "hca.init_mesh(timeout=...)) or they run a different program (another plan, input or branch)"
         ) from e
-    texts = {r: store.get(k).decode() for r, k in zip(peers, keys)}
+    store.set_timeout(before)
+    texts = {r: v.decode() for r, v in zip(peers, values)}
     # Every peer has posted this round, so each has read our previous key.
     if topic in _previous:
         store.delete_key(_previous[topic])

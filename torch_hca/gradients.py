@@ -16,6 +16,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from .errors import HCAError
+
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # as DistributedDataParallel's default
 
 
@@ -74,6 +76,10 @@ def reduce_gradients(model: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES)
     issues the same order). Gradients partial over several mesh dimensions are
     reduced one dimension per round.
     """
+    if not isinstance(model, nn.Module):
+        raise HCAError(f"hca.reduce_gradients: expected the sharded nn.Module, got {type(model).__name__}")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise HCAError(f"hca.reduce_gradients: bucket_bytes={bucket_bytes!r}; give a positive int (default 25 MiB)")
     done: list[Bucket] = []
     while True:
         named = [(n, p) for n, p in model.named_parameters()

@@ -10,8 +10,8 @@ are fixed. An edge producer -> consumer whose layouts differ pays for a
 redistribution.
 
 The cost of a choice (seconds, `torch_hca.cost_model`):
-  * forward redistributions, and in backward their transposes (DESIGN.md
-    section 1: all_gather <-> reduce_scatter, all_to_all <-> all_to_all,
+  * forward redistributions, and in backward their transposes (docs/theory.md,
+    section 3: all_gather <-> reduce_scatter, all_to_all <-> all_to_all,
     all_reduce P->R <-> nothing, unless the cotangent comes back partial);
   * the reduction a replicated value's cotangent needs when something reads
     it on a split mesh dimension (the eager role): counted once per value,
@@ -50,7 +50,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from . import dtensor_ops
-from ._torch_private import record_implicit_redistributions
+from ._torch_private import quiet_cpu_alltoall_fallback, record_implicit_redistributions
 from .collective_kinds import Kind
 from .cost_model import CostModel
 from .errors import PlanError, UnsupportedError
@@ -336,7 +336,9 @@ def probe(gm: fx.GraphModule, node: fx.Node, slots: list[fx.Node], layouts: tupl
     )
     result = None
     try:
-        with record_implicit_redistributions() as events:
+        # A probe that makes DTensor move Shard(i) -> Shard(j) on a CPU mesh would log its
+        # gloo all_to_all fallback warning: about a move the program may never make.
+        with record_implicit_redistributions() as events, quiet_cpu_alltoall_fallback():
             out = call_node(gm, node, args, kwargs)
         # Only plain Shard / Replicate / Partial results: DTensor cannot always move a
         # _StridedShard (a flattened dim whose inner part is sharded) while tracing,

@@ -30,6 +30,7 @@ apply), so the layout pass sees the whole program before it places anything.
 from __future__ import annotations
 
 import operator
+import re
 from typing import Any
 
 import torch
@@ -78,7 +79,7 @@ class Lifted:
         markers = [n for n in graph.nodes if n.target in (ENTER, LEAVE)]
         if not markers:
             return False  # per-rank code, or a replicated middle of a graph break
-        self.mesh_index = markers[0].args[-1]
+        self.mesh_index = markers[0].args[3] if markers[0].target is ENTER else markers[0].args[2]  # leave(value, layout, mesh, scale)
         self.mesh = mesh_of(self.mesh_index)
         self.gm = gm
         self.env: dict[fx.Node, Any] = {}
@@ -107,13 +108,15 @@ class Lifted:
             self._enter(node)
             return
         if node.target is LEAVE:
-            value, layout, _ = node.args
+            value, layout, _, *scale = node.args
+            grad_scale = scale[0] if scale else node.kwargs.get("grad_scale", 1.0)
             self._as_dtensor(node, value)
+            scaled = (grad_scale,) if grad_scale != 1.0 else ()  # the program shows only a scale it applies
             with graph.inserting_before(node):
-                new = graph.call_function(dtensor_ops.to_output, (node.args[0], decode(layout)))
+                new = graph.call_function(dtensor_ops.to_output, (node.args[0], decode(layout), *scaled))
             node.replace_all_uses_with(new)
             graph.erase_node(node)
-            self.env[new] = dtensor_ops.to_output(self.env[new.args[0]], decode(layout))
+            self.env[new] = dtensor_ops.to_output(self.env[new.args[0]], decode(layout), *scaled)
             return
         args, kwargs = self._values(node)
         if not any(isinstance(a, DTensor) for a in tree_leaves((args, kwargs))):
@@ -130,7 +133,8 @@ class Lifted:
         except UnsupportedError:
             raise
         except Exception as e:  # DTensor has no rule for it: run it whole on every rank
-            self._run_replicated(node, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__)
+            self._run_replicated(node, f"DTensor has no rule for it ({type(e).__name__}: {str(e).splitlines()[0][:160]})" if str(e)
+                                 else f"DTensor has no rule for it ({type(e).__name__})")
             return
         same = [a for a in node.all_input_nodes if self.env.get(a) is value and isinstance(value, DTensor)]
         if same and not _looks_inplace(node):  # returns its input (`.to` of the same dtype): an alias
@@ -140,7 +144,10 @@ class Lifted:
         if same:
             value = self._functionalize(node, same[0])
         if isinstance(value, (tuple, list)) and any(isinstance(v, DTensor) for v in value):
-            self._split_results(node, value)
+            if op_name(node) in PARTITIONS:
+                self._split_results(node, value)
+            else:  # sort, max(dim), qr, multi-head attention...: the layout pass places one value per node
+                self._run_replicated(node, f"it returns {len(value)} tensors")
             return
         self._set(node, value)
 
@@ -205,7 +212,7 @@ class Lifted:
         node.target, node.op = dtensor_ops.run_local, "call_function"
         args, kwargs = self._values(node)
         value = dtensor_ops.run_local(*args, **kwargs)
-        message = f"{node.name} ({target}) runs replicated: DTensor has no rule for it ({why})"
+        message = f"{node.name} ({target}) runs replicated: {why}"
         self.run_replicated.append(message)
         self.decisions.append(message)
         if isinstance(value, (tuple, list)) and item is None:
@@ -289,3 +296,65 @@ def _slice_of(whole, pieces, i: int) -> tuple[int, int]:
                 p.shape[:dim] == whole.shape[:dim] and p.shape[dim + 1:] == whole.shape[dim + 1:] for p in pieces):
             return dim, sum(p.shape[dim] for p in pieces[:i])
     raise UnsupportedError(f"lift: cannot tell how a partition of {tuple(whole.shape)} into {[tuple(p.shape) for p in pieces]} was cut")
+
+
+# --------------------------------------------------------------------- ops DTensor fails on after lifting
+
+_NO_RULE = re.compile(r"Operator (aten\.[\w.]+) does not have a sharding strategy")
+_MIXED = re.compile(r"(aten\.[\w.]+) got mixed torch\.Tensor and DTensor")
+_EXECUTING = re.compile(r"While executing %(\w+)")
+
+
+def dtensor_failure(gm: fx.GraphModule, error: BaseException, graph_index: int) -> UnsupportedError | None:
+    """DTensor's error while AOTAutograd traced the placed program `gm`, told as the op at fault (None: not DTensor's).
+
+    Lifting probes each op once, forward, on DTensors; an op can pass that probe and still fail
+    later, inside the decomposition AOTAutograd uses (``one_hot`` checks its classes with
+    ``aten._assert_async``) or inside its backward (``cumprod``'s makes a plain tensor).
+    """
+    text = "\n".join([*map(str, error.args), *getattr(error, "__notes__", [])])
+    found = _NO_RULE.search(text) or _MIXED.search(text)
+    if found is None:
+        return None
+    why = "has no sharding rule for" if found.re is _NO_RULE else "cannot mix plain tensors and DTensors in"
+    executing = _EXECUTING.search(text)
+    node = next((n for n in gm.graph.nodes if executing and n.name == executing[1]), None)
+    stage = "its decomposition"
+    if node is None:
+        node, stage = _failing_backward(gm, found[1]), "its backward"
+    what = "an op of the program (hca could not tell which)" if node is None else (
+        f"{node.name} ({op_name(node)}, source: {source_line(node)}) with inputs laid out as {_input_layouts(node)}")
+    return UnsupportedError(
+        f"backend 'hca': graph {graph_index}: DTensor {why} {found[1]}, which {stage} runs, in {what}. "
+        "hca's probe of the op on DTensors passed, so it did not run it replicated. Write that line with other ops, "
+        "compute it outside the compiled module (under torch.compiler.disable), or try options={'inner': 'dtensor'} "
+        "(DTensor's own eager program: no AOTAutograd decompositions)"
+    )
+
+
+def _input_layouts(node: fx.Node) -> str:
+    from .report import layout_str
+
+    parts = [f"{a.name}: {layout_str(v.placements)}" for a in node.all_input_nodes
+             if isinstance(v := a.meta.get("example_value"), DTensor)]
+    return "{" + ", ".join(parts) + "}"
+
+
+def _failing_backward(gm: fx.GraphModule, aten: str) -> fx.Node | None:
+    """The op whose backward, run alone on fake DTensors, hits `aten` without a rule (best effort)."""
+    placeholders = [n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]
+    leaf = lambda v: v.detach().requires_grad_(v.dtype.is_floating_point) if isinstance(v, DTensor) else v
+    with fake_dtensor_work(placeholders):
+        for node in gm.graph.nodes:
+            if node.op not in ("call_function", "call_method") or not isinstance(node.meta.get("example_value"), DTensor):
+                continue
+            try:
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: leaf(n.meta.get("example_value")))
+                inputs = [a for a in tree_leaves((args, kwargs)) if isinstance(a, DTensor) and a.requires_grad]
+                out = layout_solver.call_node(gm, node, args, kwargs)
+                if inputs and isinstance(out, DTensor) and out.requires_grad:
+                    torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
+            except Exception as e:  # noqa: BLE001 - looking for the one that fails like the program did
+                if aten in str(e):
+                    return node
+    return None

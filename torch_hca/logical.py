@@ -1,15 +1,15 @@
 """The logical program: what Dynamo traces when a sharded module is compiled.
 
 Under ``torch.compile`` the sharded ``forward`` runs the user's code over
-plain tensors of *global* shape (the single-device program f of DESIGN.md
-section 2), so nothing of DTensor runs while Dynamo traces: factories, masks,
+plain tensors of *global* shape (the single-device program f of docs/theory.md,
+section 1), so nothing of DTensor runs while Dynamo traces: factories, masks,
 ``arange``, indexing and in-place ops trace exactly as on one device. Each
 value that comes from storage enters f through one marker op that records
 its layout; each result leaves through one that records the layout the
 caller receives:
 
     hca::enter(local, layout, global_shape, mesh)  local piece -> logical value
-    hca::leave(value, layout, mesh)                logical value -> local piece
+    hca::leave(value, layout, mesh, grad_scale)    logical value -> local piece
 
 The backend (`torch_hca.passes.lift`) turns the markers back into DTensors,
 and the layout pass places every other value. Run eagerly (code between two
@@ -65,7 +65,28 @@ def contiguous_stride(shape) -> tuple:
     return tuple(strides)
 
 
-def check_input_layout(x: torch.Tensor, layout: Layout, what: str) -> None:
+def check_input_layout(x: torch.Tensor, layout: Layout, what: str, mesh: DeviceMesh | None = None) -> None:
+    """A forward argument fits its stated layout: on the mesh's device, with every dim its placements shard.
+
+    (Whether its shape and dtype fit the model only the model can tell: as on one device.)
+    """
+    if mesh is not None and x.device.type != mesh.device_type:
+        raise PlacementError(
+            f"{what}: a tensor on device {x.device.type!r} for a mesh of {mesh.device_type!r} devices; each rank "
+            f"passes its local piece on its own device: move it with .to({mesh.device_type!r})"
+        )
+    if isinstance(x, DTensor):
+        if mesh is not None and x.device_mesh != mesh:
+            raise PlacementError(
+                f"{what}: a DTensor on {x.device_mesh}, not on the module's mesh {mesh}; pass this rank's "
+                "local piece (x.to_local()) laid out as `inputs=` says, or a DTensor on the module's mesh"
+            )
+        if any(p.is_partial() for p in x.placements):
+            raise PlacementError(
+                f"{what}: a DTensor with placements {tuple(x.placements)}; a Partial() value cannot enter a "
+                "sharded module: x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim) first"
+            )
+        return
     for p in layout:
         if isinstance(p, Shard) and not -x.dim() <= p.dim < x.dim():
             raise PlacementError(
@@ -107,14 +128,18 @@ def _(local, layout, shape, mesh):
 
 
 @torch.library.custom_op("hca::leave", mutates_args=())
-def leave(value: torch.Tensor, layout: str, mesh: int) -> torch.Tensor:
-    """This rank's piece of the logical `value` laid out as `layout` (eagerly: a local chunk)."""
+def leave(value: torch.Tensor, layout: str, mesh: int, grad_scale: float = 1.0) -> torch.Tensor:
+    """This rank's piece of the logical `value` laid out as `layout` (eagerly: a local chunk).
+
+    ``grad_scale`` multiplies the cotangent on the way back: 1/n turns the sum
+    of n ranks' losses over their pieces into their mean (``loss_reduction``).
+    """
     # src_data_rank=None: every rank cuts its own piece, no communication.
     return distribute_tensor(value.detach(), mesh_of(mesh), decode(layout), src_data_rank=None).to_local().clone()
 
 
 @leave.register_fake
-def _(value, layout, mesh):
+def _(value, layout, mesh, grad_scale=1.0):
     return value.new_empty(local_shape(value.shape, decode(layout), mesh_of(mesh).shape))
 
 
@@ -127,11 +152,25 @@ def _enter_context(ctx, inputs, output):
 
 
 def _leave_backward(ctx, grad):
-    return enter(grad, ctx.layout, ctx.shape, ctx.mesh), None, None
+    whole = enter(grad, ctx.layout, ctx.shape, ctx.mesh)
+    return (whole if ctx.grad_scale == 1.0 else whole * ctx.grad_scale), None, None, None
 
 
 def _leave_context(ctx, inputs, output):
-    ctx.layout, ctx.mesh, ctx.shape = inputs[1], inputs[2], list(inputs[0].shape)
+    ctx.layout, ctx.mesh, ctx.shape, ctx.grad_scale = inputs[1], inputs[2], list(inputs[0].shape), inputs[3]
+
+
+class ScaleGrad(torch.autograd.Function):
+    """The identity, whose backward multiplies the cotangent by a constant (``loss_reduction="mean"``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
 
 
 enter.register_autograd(_enter_backward, setup_context=_enter_context)
@@ -148,9 +187,9 @@ def enter_local(x: Any, layout: Layout | None, mesh: DeviceMesh, index: int, wha
     """A forward argument (this rank's piece) or a DTensor parameter as its logical value."""
     if not isinstance(x, torch.Tensor) or layout is None:
         return x
+    check_input_layout(x, layout, what, mesh)
     if isinstance(x, DTensor):
         return enter(x.to_local(), encode(tuple(x.placements)), list(x.shape), index)
-    check_input_layout(x, layout, what)
     layout = tuple(Shard(p.dim % x.dim()) if isinstance(p, Shard) else p for p in layout)
     return enter(x, encode(layout), global_shape(x.shape, layout, mesh.shape), index)
 
@@ -194,4 +233,4 @@ def call_logically(module: torch.nn.Module, spec, args: tuple, kwargs: dict) -> 
     values = {f"inner.{name}": v for name, v in values.items()}
     out = torch.func.functional_call(holder, values, args, kwargs, tie_weights=False, strict=False)
     layout = encode(spec.outputs)
-    return tree_map(lambda t: leave(t, layout, index) if isinstance(t, torch.Tensor) else t, out)
+    return tree_map(lambda t: leave(t, layout, index, spec.grad_scale) if isinstance(t, torch.Tensor) else t, out)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from numbers import Real
 from typing import Any
 
 from .cost_model import DEFAULTS, CostModel, backend_for, cost_model, with_overrides
@@ -26,7 +28,8 @@ class Options:
     strict: a redistribution the layout pass cannot make explicit, or a check
       that fails, is an error rather than a note in the report.
     debug_dir: write every graph before and after each pass, the collectives
-      table and the strategy there (also set by TORCH_HCA_DEBUG_DIR).
+      table and the strategy there, each rank under rank{r}/ (also set by
+      TORCH_HCA_DEBUG_DIR). TORCH_LOGS="+torch_hca" logs the graphs instead.
     rank_rewrites: also apply collective rewrites that depend on the rank
       ("this rank's shard of an all-reduce is a reduce-scatter"); the ranks agree
       on each through the rendezvous store while compiling, so every rank must
@@ -109,8 +112,13 @@ class Options:
         for key in ("memory_weight", "memory_budget", "solver_time_limit_s", "bucket_cap_mb", "max_in_flight_mb"):
             if key in options and not (key in ("memory_budget", "bucket_cap_mb") and options[key] is None):
                 value = options[key]
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                if isinstance(value, bool) or not isinstance(value, Real) or value < 0:
                     raise OptionsError(f"backend 'hca': options[{key!r}] must be a number >= 0, got {value!r}")
+                if not math.isfinite(value):  # NaN passes `< 0`; the solver (scipy) would fail on either
+                    raise OptionsError(
+                        f"backend 'hca': options[{key!r}] must be a finite number, got {value!r}"
+                        + ("; leave it out or give None for no bound" if key in ("memory_budget", "bucket_cap_mb") else "")
+                    )
                 numbers[key] = float(value)
         overrides = options.get("cost_model") or {}
         if not isinstance(overrides, Mapping):

@@ -14,6 +14,8 @@ tensors laid out as ``outputs``.
 
 from __future__ import annotations
 
+import copyreg
+import dataclasses
 import fnmatch
 import functools
 from torch.utils.weak import WeakIdKeyDictionary
@@ -29,31 +31,59 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.utils._pytree import tree_map
 
 from .errors import MeshError, PlacementError, PlanError
+from .exchange import exchange, needs_exchange
 from .mesh import current_mesh
-from .logical import Holder, call_logically, check_input_layout, mesh_id
+from .logical import Holder, ScaleGrad, call_logically, check_input_layout, mesh_id
 from .rewrites import DTensorRewrites
 
 Layout = tuple[Placement, ...]
 
-# Cotangent roles for a parameter's gradient (DESIGN.md section 1): "eager"
+# Cotangent roles for a parameter's gradient (docs/theory.md, section 4): "eager"
 # reduces a partial gradient inside the backward graph, "deferred" keeps it
 # partial until `hca.reduce_gradients` (e.g. once per k microbatches).
 GRAD_ROLES = ("eager", "deferred")
 
-# Every sharded parameter, mapped to (its qualified name, its gradient role): lets
-# the backend and the report name the parameters a compiled graph reads.
-_PARAM_INFO: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+# Every module `hca.sharded` distributed (held weakly) -> {id(parameter): qualified
+# name}, a cache rebuilt from the module on a miss: lets the backend and the report
+# name the parameters a compiled graph reads. Names and roles live on the module
+# (its parameters and its ShardingSpec), never on a reference to a parameter: a weak
+# reference to a tensor makes `torch.utils.swap_tensors` refuse it, and `.to(dtype)`,
+# `.double()`, `.to("cpu")`, `.to_empty()` swap a DTensor parameter's contents into
+# the same Parameter object (so its identity, and this cache, survive them).
+_SHARDED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+def _parameter_info(t: Any) -> tuple[str, str] | None:
+    """(qualified name, gradient role) of a parameter of a sharded module, else None."""
+    if not isinstance(t, nn.Parameter):  # also true of a DTensor parameter
+        return None
+    for rebuild in (False, True):  # a parameter replaced since the cache was built: rebuild once
+        for module, names in list(_SHARDED.items()):
+            if rebuild:
+                names = _SHARDED[module] = {id(p): n for n, p in module.named_parameters()}
+            name = names.get(id(t))
+            if name is not None and _get_parameter(module, name) is t:
+                spec = module.__dict__.get("_hca_spec")
+                return name, spec.grad_roles.get(name, "eager") if spec is not None else "eager"
+    return None
+
+
+def _get_parameter(module: nn.Module, name: str) -> torch.Tensor | None:
+    try:
+        return module.get_parameter(name)
+    except AttributeError:
+        return None
 
 
 def parameter_name(t: torch.Tensor) -> str | None:
     """The qualified name of a parameter sharded by `hca.sharded`, else None."""
-    info = _PARAM_INFO.get(t)
+    info = _parameter_info(t)
     return info[0] if info else None
 
 
 def parameter_role(t: torch.Tensor) -> str | None:
     """The gradient role ("eager" or "deferred") of a sharded parameter, else None."""
-    info = _PARAM_INFO.get(t)
+    info = _parameter_info(t)
     return info[1] if info else None
 
 
@@ -93,7 +123,8 @@ def _check_storage(layout: Layout, shape: torch.Size, mesh: DeviceMesh, what: st
             if not 0 <= dim < len(shape):
                 raise PlacementError(
                     f"{what}: Shard({p.dim}) on a tensor of shape {tuple(shape)} with "
-                    f"{len(shape)} dimension(s); pick a dimension in 0..{len(shape) - 1}"
+                    f"{len(shape)} dimension(s); "
+                    + (f"pick a dimension in 0..{len(shape) - 1}" if shape else "a 0-d tensor has nothing to shard: use Replicate()")
                 )
             p = Shard(dim)
         fixed.append(p)
@@ -122,6 +153,7 @@ class ShardingSpec:
     per_argument: bool
     grad_roles: Mapping[str, str]
     mesh_index: int = 0  # the mesh's index for torch_hca.logical's marker ops
+    grad_scale: float = 1.0  # times each result's cotangent: 1/n under loss_reduction="mean"
 
     def input_layout(self, index: int | None) -> Layout | None:
         if not self.per_argument:
@@ -131,18 +163,21 @@ class ShardingSpec:
         return self.inputs[index]
 
     def to_dtensor(self, x: Any, index: int | None) -> Any:
-        if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+        if not isinstance(x, torch.Tensor):
             return x
         layout = self.input_layout(index)
         if layout is None:
             return x
-        check_input_layout(x, layout, f"forward argument {index}")
+        check_input_layout(x, layout, f"forward argument {index}", self.mesh)
+        if isinstance(x, DTensor):
+            return x
         return DTensor.from_local(x, self.mesh, layout, run_check=False)
 
     def to_local(self, y: Any) -> Any:
         if not isinstance(y, DTensor):
             return y
-        return y.redistribute(self.mesh, self.outputs).to_local(grad_placements=self.outputs)
+        local = y.redistribute(self.mesh, self.outputs).to_local(grad_placements=self.outputs)
+        return local if self.grad_scale == 1.0 else ScaleGrad.apply(local, self.grad_scale)
 
 
 def _matching(pattern: str, names: list[str], what: str, then: str) -> list[str]:
@@ -217,7 +252,9 @@ def _distribute(module: nn.Module, spec: ShardingSpec) -> None:
 
     A parameter shared under several names (tied embeddings) is replaced under
     every name by the same DTensor, so it keeps one gradient. Buffers are
-    replicated by nature: every rank starts from rank 0's values.
+    replicated by nature: every rank starts from rank 0's values. A module
+    built under ``torch.device("meta")`` has no values to send: each rank cuts
+    its own empty piece, for ``to_empty`` and an initialisation to fill.
     """
     new: dict[int, nn.Parameter] = {}
     first_name = {id(p): name for name, p in module.named_parameters()}
@@ -226,16 +263,34 @@ def _distribute(module: nn.Module, spec: ShardingSpec) -> None:
         owner = module.get_submodule(owner_name)
         if id(old) not in new:
             name = first_name[id(old)]
-            # src_data_rank=0 (the default): every rank starts from rank 0's values.
-            param = nn.Parameter(distribute_tensor(old.detach(), spec.mesh, spec.params[name]), requires_grad=old.requires_grad)
-            _PARAM_INFO[param] = (name, spec.grad_roles[name])
-            new[id(old)] = param
+            # src_data_rank=0: every rank starts from rank 0's values; None: no communication.
+            src = None if old.is_meta else 0
+            dt = distribute_tensor(old.detach(), spec.mesh, spec.params[name], src_data_rank=src)
+            new[id(old)] = nn.Parameter(dt, requires_grad=old.requires_grad)
         setattr(owner, leaf, new[id(old)])
     replicated = (Replicate(),) * spec.mesh.ndim
     for qualified, buf in list(module.named_buffers()):
         owner_name, _, leaf = qualified.rpartition(".")
         owner = module.get_submodule(owner_name)
-        owner._buffers[leaf] = distribute_tensor(buf, spec.mesh, replicated).to_local()
+        if not buf.is_meta:
+            owner._buffers[leaf] = distribute_tensor(buf, spec.mesh, replicated).to_local()
+    _SHARDED[module] = {}
+    module.register_load_state_dict_pre_hook(_cut_full_tensors)
+    if getattr(type(module).forward, "_hca_wrapped", False):  # a decorated class; an instance's class comes later
+        support_pickling(type(module))
+
+
+def _cut_full_tensors(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
+    """`load_state_dict` of a single-device state dict: each rank keeps its piece of every full tensor.
+
+    A value already a DTensor (`hca.load`, DCP's ``set_model_state_dict``) or
+    not of the parameter's global shape is left to ``load_state_dict`` to judge.
+    """
+    for name, p in module.named_parameters(remove_duplicate=False):
+        value = state_dict.get(prefix + name)
+        if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+                and value.shape == p.shape:
+            state_dict[prefix + name] = distribute_tensor(value.detach(), p.device_mesh, p.placements, src_data_rank=None)
 
 
 def _wrap_forward(forward):
@@ -245,7 +300,7 @@ def _wrap_forward(forward):
         if spec is None:  # a subclass the decorator did not shard
             return forward(self, *args, **kwargs)
         if torch.compiler.is_compiling() and not self.__dict__.get("_hca_dtensor_trace"):
-            # Dynamo traces the single-device program; the backend places it (DESIGN.md section 2).
+            # Dynamo traces the single-device program; the backend places it (docs/theory.md, section 1).
             return call_logically(self, spec, args, kwargs)
         args = tuple(tree_map(lambda t, i=i: spec.to_dtensor(t, i), a) for i, a in enumerate(args))
         kwargs = tree_map(lambda t: spec.to_dtensor(t, None), kwargs)
@@ -282,6 +337,8 @@ def _resolve_roles(module: nn.Module, grad_reduction: Any) -> dict[str, str]:
         )
     roles = dict.fromkeys(names, "eager")
     for pattern, role in rules.items():
+        if not isinstance(pattern, str):
+            raise PlanError(f"hca.sharded: grad_reduction key {pattern!r} must be a glob string like 'fc1.*'")
         if role not in GRAD_ROLES:
             raise PlanError(f"hca.sharded: grad_reduction role {role!r} for {pattern!r}; use one of {GRAD_ROLES}")
         hits = _matching(pattern, names, f"grad_reduction pattern {pattern!r}", "; the") if pattern != "*" else names
@@ -289,7 +346,55 @@ def _resolve_roles(module: nn.Module, grad_reduction: Any) -> dict[str, str]:
     return roles
 
 
-def _shard_instance(module: nn.Module, plan, mesh, inputs, outputs, grad_reduction) -> nn.Module:
+def _plan_lines(module: nn.Module, spec: ShardingSpec) -> list[str]:
+    """The resolved plan as text, one line per parameter: what every rank must hold alike."""
+    lines = [f"mesh {tuple(spec.mesh.shape)} {spec.mesh.mesh_dim_names}",
+             f"inputs {spec.inputs}", f"outputs {spec.outputs} grad_scale {spec.grad_scale}"]
+    for name, p in module.named_parameters():
+        lines.append(f"parameter {name!r} {tuple(p.shape)} {str(p.dtype).replace('torch.', '')} "
+                     f"{spec.params[name]} {spec.grad_roles[name]}")
+    return lines
+
+
+def _check_same_plan(module: nn.Module, spec: ShardingSpec) -> None:
+    """Ranks given different plans would hang in the first collective that distributes a parameter: compare first."""
+    if not needs_exchange():
+        return
+    mine = _plan_lines(module, spec)
+    what = f"hca.sharded({type(module).__name__})"
+    for other, text in sorted(exchange("plan", "\n".join(mine), range(dist.get_world_size()), what).items()):
+        theirs = text.split("\n")
+        if theirs != mine:
+            i = next(i for i in range(max(len(mine), len(theirs))) if i >= len(mine) or i >= len(theirs) or mine[i] != theirs[i])
+            ours_line = mine[i] if i < len(mine) else "nothing"
+            their_line = theirs[i] if i < len(theirs) else "nothing"
+            raise PlanError(
+                f"{what}: rank {dist.get_rank()} and rank {other} were given different plans or models; the first "
+                f"difference: rank {dist.get_rank()} has {ours_line}, rank {other} has {their_line}. Give every "
+                "rank the same model, plan and mesh (no rank-dependent choices before hca.sharded)"
+            )
+
+
+LOSS_REDUCTIONS = ("sum", "mean")
+
+
+def _grad_scale(loss_reduction: Any, mesh: DeviceMesh, outputs: Layout) -> float:
+    """1/n for "mean", n the ranks holding different pieces of a result; 1 for "sum"."""
+    if loss_reduction not in LOSS_REDUCTIONS:
+        raise PlanError(
+            f"hca.sharded: loss_reduction={loss_reduction!r}; use 'sum' (the ranks' losses over their pieces of "
+            "the results add up to the loss) or 'mean' (they average, as under DDP)"
+        )
+    if loss_reduction == "sum":
+        return 1.0
+    pieces = 1
+    for mesh_dim, p in enumerate(outputs):
+        if isinstance(p, Shard):
+            pieces *= mesh.size(mesh_dim)
+    return 1.0 / pieces
+
+
+def _shard_instance(module: nn.Module, plan, mesh, inputs, outputs, grad_reduction, loss_reduction="sum") -> nn.Module:
     if getattr(module, "_hca_spec", None) is not None:
         raise PlanError(
             f"hca.sharded: this {type(module).__name__} is already sharded; apply the "
@@ -297,15 +402,18 @@ def _shard_instance(module: nn.Module, plan, mesh, inputs, outputs, grad_reducti
         )
     mesh = _resolve_mesh(mesh)
     in_layouts, per_argument = _io_layouts(inputs, mesh)
+    out_layout = _io_layout(outputs, mesh, "outputs")
     spec = ShardingSpec(
         mesh=mesh,
         params=_resolve_plan(module, plan, mesh),
         inputs=in_layouts,
-        outputs=_io_layout(outputs, mesh, "outputs"),
+        outputs=out_layout,
         per_argument=per_argument,
         grad_roles=_resolve_roles(module, grad_reduction),
         mesh_index=mesh_id(mesh),
+        grad_scale=_grad_scale(loss_reduction, mesh, out_layout),
     )
+    _check_same_plan(module, spec)
     _distribute(module, spec)
     module._hca_spec = spec
     forward = type(module).forward
@@ -321,6 +429,7 @@ def sharded(
     inputs: Any = Replicate(),
     outputs: Any = Replicate(),
     grad_reduction: str | Mapping[str, str] = "eager",
+    loss_reduction: str = "sum",
 ):
     """Store a module's parameters over a device mesh as `plan` says.
 
@@ -334,6 +443,13 @@ def sharded(
     the backward graph, ``"deferred"`` only at `hca.reduce_gradients` (so k
     microbatches of accumulation communicate once); a ``{pattern: role}``
     mapping sets it per parameter (unmatched ones are eager).
+    ``loss_reduction``: how the losses that the ranks compute from their own
+    pieces of a sharded result (``outputs=Shard(0)``, a loop ported from DDP)
+    combine: ``"sum"`` (default: gradients are those of their sum, the loss
+    over the whole batch when each rank sums over its piece) or ``"mean"``
+    (those of their mean, as DDP averages: each result's cotangent is divided
+    by the number of ranks holding different pieces of it). A loss computed
+    inside ``forward`` or on a replicated result is exact under either.
 
     Use on a class (parameters are distributed at the end of ``__init__``) or
     on an instance (distributed at once, returns the same module)::
@@ -346,14 +462,11 @@ def sharded(
 
     def apply(target):
         if isinstance(target, nn.Module):
-            _shard_instance(target, plan, mesh, inputs, outputs, grad_reduction)
-            cls = type(target)
-            if not getattr(cls.forward, "_hca_wrapped", False):
-                target.__class__ = type(cls.__name__, (cls,), {
-                    "forward": _wrap_forward(cls.forward),
-                    "__module__": cls.__module__,
-                    "__qualname__": cls.__qualname__,
-                })
+            _shard_instance(target, plan, mesh, inputs, outputs, grad_reduction, loss_reduction)
+            if getattr(type(target).forward, "_hca_wrapped", False):
+                support_pickling(type(target), made=False)  # torch.save(model): see "pickling"
+            else:
+                target.__class__ = _sharded_subclass(type(target))
             return target
         if isinstance(target, type) and issubclass(target, nn.Module):
             init = target.__init__
@@ -362,7 +475,7 @@ def sharded(
             def sharded_init(self, *args, **kwargs):
                 init(self, *args, **kwargs)
                 if type(self) is target:
-                    _shard_instance(self, plan, mesh, inputs, outputs, grad_reduction)
+                    _shard_instance(self, plan, mesh, inputs, outputs, grad_reduction, loss_reduction)
 
             target.__init__ = sharded_init
             target.forward = _wrap_forward(target.forward)
@@ -372,3 +485,73 @@ def sharded(
         )
 
     return apply
+
+
+# ----------------------------------------------------------------------------- pickling
+#
+# `torch.save(model)` and `copy.deepcopy(model)` of a sharded module. Each rank
+# pickles its own pieces (a DTensor pickles with its mesh, which finds its process
+# group again by name), so loading needs a world of the same size. Pickled: the
+# module's state less its Holder (a cycle through the user's forward); the class
+# is the user's own, and the subclass `sharded(...)(instance)` made is made again
+# on load. Names, roles and the load hook come back with the state.
+
+
+def support_pickling(cls: type, made: bool = False) -> None:
+    """Pickle and deep-copy instances of `cls`, a class whose ``forward`` hca wrapped.
+
+    ``made``: `cls` is the subclass ``sharded(...)(instance)`` made, which no
+    module can name: its instances are pickled as instances of its base.
+    """
+    if made:
+        cls._hca_made = True
+    copyreg.pickle(cls, _reduce_sharded)
+
+
+def _reduce_sharded(module: nn.Module) -> tuple:
+    spec = module.__dict__.get("_hca_spec")
+    if spec is None:  # an instance of a decorated class's subclass, never sharded
+        return module.__reduce_ex__(2)
+    cls = type(module)
+    made = cls.__dict__.get("_hca_made", False)
+    state = module.__getstate__()
+    state.pop("_hca_logical", None)
+    return _new_sharded, (cls.__bases__[0] if made else cls, made, spec.mesh.size()), state
+
+
+def _new_sharded(cls: type, made: bool, world_size: int) -> nn.Module:
+    """An empty instance to receive a sharded module's state, once the world is known to fit."""
+    here = dist.get_world_size() if dist.is_initialized() else None
+    if here != world_size:
+        raise MeshError(
+            f"loading a {cls.__name__} sharded over {world_size} ranks "
+            + ("with no process group initialized" if here is None else f"in a world of {here} ranks")
+            + f": torch.load it on every rank of a {world_size}-rank world, after hca.init_mesh(); "
+            "to load into another world, save with hca.save and load with hca.load(..., reshard=True)"
+        )
+    final = _sharded_subclass(cls) if made else cls
+    receiving = type(cls.__name__, (final,), {
+        "__setstate__": _restore_sharded, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+    })
+    return receiving.__new__(receiving)
+
+
+def _sharded_subclass(cls: type) -> type:
+    """The class `sharded(...)(instance)` gives an instance of `cls`: its forward wrapped, picklable."""
+    sub = type(cls.__name__, (cls,), {
+        "forward": _wrap_forward(cls.forward), "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+    })
+    support_pickling(sub, made=True)
+    return sub
+
+
+def _restore_sharded(module: nn.Module, state: dict) -> None:
+    """``__setstate__`` of the instance `_new_sharded` made: the state, then what pickling left out."""
+    final = type(module).__bases__[0]
+    nn.Module.__setstate__(module, state)
+    spec = module.__dict__["_hca_spec"]
+    module.__dict__["_hca_spec"] = dataclasses.replace(spec, mesh_index=mesh_id(spec.mesh))
+    forward = final.forward
+    module.__dict__["_hca_logical"] = Holder(module, getattr(forward, "__wrapped__", forward))
+    module.__class__ = final
+    _SHARDED[module] = {}

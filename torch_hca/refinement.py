@@ -1,6 +1,6 @@
 """The refinement check: the compiled program computes what the logical program does.
 
-DESIGN.md section 1: a physical program P is right when Q·P·E = f, and values
+docs/theory.md, section 2: a physical program P is right when Q·P·E = f, and values
 are not enough, so the check compares gradients too. On the first call (option
 ``check``), every rank runs
 

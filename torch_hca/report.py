@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import json
+import textwrap
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,75 @@ def placement_str(p: Placement) -> str:
 
 def layout_str(layout) -> str:
     return "(" + ", ".join(placement_str(p) for p in layout) + ")"
+
+
+# ----------------------------------------------------------------------------- text for people
+
+WIDTH = 120  # the widest line str(report), table(WIDTH) and the demo print
+
+
+def readable_code(code: str, width: int = WIDTH) -> str:
+    """FX code with no line wider than ``width``, for people (``dtensor_code`` stays as FX wrote it).
+
+    A statement's trailing ``;  a = b = None`` (where FX lets values go) gets its
+    own line; a long call, signature or tuple puts one item per line::
+
+        def forward(
+            self,
+            L_self_modules_fc1_parameters_weight_ : torch.distributed.tensor.DTensor,
+            ...
+        ):
+    """
+    out: list[str] = []
+    for line in code.strip("\n").splitlines():
+        indent = line[: len(line) - len(line.lstrip())]
+        for statement in _top_level(line.strip(), ";"):
+            if statement.strip():
+                out += _fit(indent + statement.strip(), width)
+    return "\n".join(out)
+
+
+def _scan(text: str):
+    """(index, character, bracket depth before it) for each character outside string literals."""
+    depth, quote = 0, None
+    for i, ch in enumerate(text):
+        if quote is not None:
+            if ch == quote and text[i - 1] != "\\":
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        else:
+            yield i, ch, depth
+            depth += (ch in "([{") - (ch in ")]}")
+
+
+def _top_level(text: str, sep: str) -> list[str]:
+    """``text`` cut at each ``sep`` outside brackets and strings."""
+    cuts = [i for i, ch, depth in _scan(text) if ch == sep and depth == 0]
+    return [text[a + 1:b] for a, b in zip([-1, *cuts], [*cuts, len(text)])]
+
+
+def _fit(line: str, width: int) -> list[str]:
+    """One line of code as lines of at most ``width``: the first bracket's items one per line, else wrapped."""
+    if len(line) <= width:
+        return [line]
+    indent = line[: len(line) - len(line.lstrip())]
+    scanned = list(_scan(line))
+    opening = next(((i, depth) for i, ch, depth in scanned if ch in "([{"), None)
+    end = None if opening is None else next(
+        (i for i, ch, depth in scanned if i > opening[0] and ch in ")]}" and depth == opening[1] + 1), None)
+    if end is None:  # no brackets (`a = b = None`): cut at spaces, continued with a backslash
+        cut = textwrap.wrap(line.strip(), width - 2, initial_indent=indent, subsequent_indent=indent + " " * 8,
+                            break_on_hyphens=False)
+        return [piece + " \\" for piece in cut[:-1]] + cut[-1:]
+    start = opening[0]
+    inner = line[start + 1:end]
+    items = [item.strip() for item in _top_level(inner, ",") if item.strip()]
+    comma = "," if len(items) > 1 or inner.rstrip().endswith(",") else ""  # (x,) stays a tuple
+    lines = _fit(line[:start + 1], width)
+    for item in items:
+        lines += _fit(f"{indent}    {item}{comma}", width)
+    return lines + _fit(indent + line[end:], width)
 
 
 @dataclass
@@ -165,8 +235,8 @@ class CompileReport:
         )
         return dict(sorted(counts.items()))
 
-    def table(self) -> str:
-        """The collectives table as aligned text."""
+    def table(self, width: int | None = None) -> str:
+        """The collectives table as aligned text, one line per row; given ``width``, a ``rule`` wraps in its column."""
         head = ("graph", "dir", "kind", "group", "n", "shape", "dtype", "bytes", "wire/rank", "partner", "rule")
         rows = [head]
         for position, g in enumerate(self.graphs):  # position in this report, not the global index
@@ -179,7 +249,11 @@ class CompileReport:
         if len(rows) == 1:
             return "(no collectives in the compiled graphs)"
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-        return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
+        lines = []
+        for r in rows:
+            line = "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()
+            lines += [line] if width is None or len(line) <= width else _wrap_last_column(r, widths, width)
+        return "\n".join(lines)
 
     def partial_gradients(self) -> list[dict[str, Any]]:
         """Parameters whose current ``.grad`` is still Partial.
@@ -241,7 +315,10 @@ class CompileReport:
                 after.append((f"graph{g.index}.{which}", gm))
                 before.append((f"graph{g.index}.{which}", g.schedules.get(which, {}).get("before", gm)))
         if not after:
-            raise HCAError("hca.report(...).timeline(): no forward or backward graph was compiled (inner='dtensor'?)")
+            raise HCAError(
+                "hca.report(...).timeline(): no forward or backward graph was compiled (options inner='dtensor' "
+                "runs the DTensor program eagerly); compile with inner='eager' or 'inductor' to estimate a step"
+            )
         device = (self.graphs[0].mesh or {}).get("device_type", "cpu")
         costs = self.graphs[0].options.costs(device)
         return StepTimelines(estimate(before, costs), estimate(after, costs))
@@ -279,13 +356,24 @@ class CompileReport:
     def __str__(self) -> str:
         parts = []
         for g in self.graphs:
-            parts.append(f"== graph {g.index}: DTensor program ==\n{g.dtensor_code.strip()}")
-        parts.append("== collectives ==\n" + self.table())
+            parts.append(f"== graph {g.index}: DTensor program ==\n{readable_code(g.dtensor_code)}")
+        parts.append("== collectives ==\n" + self.table(WIDTH))
         pending = self.partial_gradients()
         if pending:
             lines = [f"{p['parameter']} {p['placements']} {p['bytes']} bytes" for p in pending]
             parts.append("== gradients left Partial, reduced outside the graphs on first use ==\n" + "\n".join(lines))
         return "\n\n".join(parts)
+
+
+def _wrap_last_column(row: tuple[str, ...], widths: list[int], width: int) -> list[str]:
+    """A table row whose last column (free text) wraps within the column, or below the row if it is too narrow."""
+    prefix = "  ".join(v.ljust(w) for v, w in zip(row[:-1], widths[:-1])) + "  "
+    room = width - len(prefix)
+    if room >= 30:
+        text = textwrap.wrap(row[-1], room, break_on_hyphens=False)
+        return [prefix + text[0]] + [" " * len(prefix) + t for t in text[1:]]
+    head = textwrap.wrap(prefix.rstrip(), width, subsequent_indent="    ")
+    return head + textwrap.wrap(row[-1], width, initial_indent="    ", subsequent_indent="    ", break_on_hyphens=False)
 
 
 @dataclass
@@ -319,6 +407,6 @@ def report(compiled: Any = None) -> CompileReport:
     if not graphs:
         raise HCAError(
             f"hca.report: no graph of this {type(module).__name__} was compiled with backend='hca'; "
-            "call the compiled module once first"
+            "compile it with torch.compile(model, backend='hca') and call the compiled module once first"
         )
     return CompileReport(graphs, module)

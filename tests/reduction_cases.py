@@ -1,0 +1,52 @@
+"""Rank functions for tests/test_loss_reduction.py: a training loop ported from DDP.
+
+Each rank computes a loss on its own piece of the output, outside the
+compiled module, as under DDP. hca, DDP and one device see the same data.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+
+import torch_hca as hca
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+
+
+def ddp_style_step(loss_reduction: str, compiled: bool = True) -> dict[str, Any]:
+    """Gradient relative errors of hca (DDP-style loop) against DDP and against one device."""
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = hca.init_mesh()
+    ref = _net()
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(ref))
+    model = hca.sharded({}, mesh=mesh, inputs=Shard(0), outputs=Shard(0), loss_reduction=loss_reduction)(copy.deepcopy(ref))
+    run = torch.compile(model, backend="hca", options={"check": True}) if compiled else model
+    torch.manual_seed(1)
+    x, y = torch.randn(4 * world, 16), torch.randn(4 * world, 8)
+    mine = slice(4 * rank, 4 * (rank + 1))
+    F.mse_loss(run(x[mine]), y[mine]).backward()  # per-rank loss: the mean over this rank's rows
+    F.mse_loss(ddp(x[mine]), y[mine]).backward()  # DDP averages the ranks' gradients
+    F.mse_loss(ref(x), y).backward()  # one device: the mean over the whole batch
+    ddp_grads = dict(ddp.module.named_parameters())
+    ref_grads = dict(ref.named_parameters())
+
+    def err(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    hca_grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return {
+        "vs_ddp": max(err(g, ddp_grads[n].grad) for n, g in hca_grads.items()),
+        "vs_one_device": max(err(g, ref_grads[n].grad) for n, g in hca_grads.items()),
+        "ratio_to_ddp": [round((g.norm() / ddp_grads[n].grad.norm()).item(), 4) for n, g in hca_grads.items()],
+    }
