@@ -393,3 +393,29 @@ def conv_data_parallel(trust_dtensor_conv_rule: bool) -> dict[str, Any]:
     finally:
         layout_solver.PARTIAL_OK.discard("conv2d")
         layout_solver.BATCH_SPLIT_ONLY.add("conv2d")
+
+
+class TpAllReduce(nn.Module):
+    """Per-rank code that all-reduces over the mesh's tp dimension only."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(dim, dim))
+
+    def forward(self, x):
+        return hca.collectives.all_reduce(x @ self.a, src="P", dst="R", mesh_dim="tp")
+
+
+def divergent_in_one_tp_group() -> dict[str, Any]:
+    """On a (2, 2) mesh rank 0 passes 8 rows and rank 1 (its tp peer) 6; ranks 2 and 3 agree.
+
+    Every rank must raise, not only the two in the disagreeing group."""
+    torch._dynamo.reset()
+    hca.init_mesh((2, 2), ("dp", "tp"))
+    torch.manual_seed(0)
+    compiled = torch.compile(TpAllReduce(), backend="hca")
+    try:
+        compiled(torch.randn(6 if dist.get_rank() == 1 else 8, 16))
+    except hca.CheckError as e:
+        return {"raised": True, "message": str(e)}
+    return {"raised": False, "message": None}

@@ -27,3 +27,10 @@ def test_same_programs_run(worlds):
 def test_difference_message_names_both_sides():
     msg = _describe_difference("graph 3 forward, group 0", 0, ["all_reduce float32(8, 16)"], 1, [])
     assert "collective #0: rank 0 issues all_reduce float32(8, 16), rank 1 issues no collective" in msg
+
+
+def test_a_difference_in_one_group_stops_every_rank(worlds):
+    results = worlds(4).run(dist_cases.divergent_in_one_tp_group)
+    assert all(r["raised"] for r in results), results
+    assert len({r["message"] for r in results}) == 1  # every rank judges every pair alike
+    assert "rank 0 and rank 1 compiled different collectives" in results[0]["message"]

@@ -22,22 +22,39 @@ def check_same_collectives(mine: dict[str, list[str]], what: str) -> None:
 
     ``mine``: group name -> its collectives in issue order (the schedule
     checker's `ScheduleSummary.per_group`). Group names are per rank (on a 2-D
-    mesh, ranks 0-1 and 2-3 hold different tp groups), so each rank compares a
-    group's sequence only with that group's members.
+    mesh, ranks 0-1 and 2-3 hold different tp groups), so a pair of ranks is
+    compared on the groups both belong to. Every rank posts (a graph with no
+    collective too) and judges every pair, so all ranks reach the same verdict:
+    none goes on to wait in a collective its peers will never issue.
     """
     if not needs_exchange():
         return
     rank = dist.get_rank()
-    text = "\n".join(f"{g}\t{d}" for g, seq in mine.items() for d in seq)
-    peers = {r for g in mine for r in group_members(g)}
-    for other, posted in exchange("first_run", text, peers, f"{what} (first run)").items():
-        theirs: dict[str, list[str]] = {}
-        for line in filter(None, posted.split("\n")):
+    # Each group's members travel with it: a rank outside a group cannot look its name up.
+    members = [f"#{g}\t{','.join(map(str, group_members(g)))}" for g in mine]
+    text = "\n".join(members + [f"{g}\t{d}" for g, seq in mine.items() for d in seq])
+    posted = exchange("first_run", text, range(dist.get_world_size()), f"{what} (first run)")
+    posted[rank] = text
+    per_rank: dict[int, dict[str, list[str]]] = {}
+    in_group: dict[tuple[int, str], set[int]] = {}  # (rank, group) -> the members that rank sees
+    for r, t in sorted(posted.items()):
+        per_rank[r] = {}
+        for line in filter(None, t.split("\n")):
             group, desc = line.split("\t", 1)
-            theirs.setdefault(group, []).append(desc)
-        for group, seq in mine.items():
-            if other in group_members(group) and theirs.get(group, []) != seq:
-                raise CheckError(_describe_difference(f"{what}, group {group}", rank, seq, other, theirs.get(group, [])))
+            if group.startswith("#"):
+                in_group[r, group[1:]] = {int(m) for m in desc.split(",")}
+            else:
+                per_rank[r].setdefault(group, []).append(desc)
+    for a in sorted(per_rank):
+        for b in sorted(per_rank):
+            if a == b:
+                continue
+            for group, seq in per_rank[a].items():
+                theirs = per_rank[b].get(group, [])
+                if b in in_group.get((a, group), ()) and theirs != seq:
+                    first, second = (a, b) if a < b else (b, a)
+                    seqs = {a: seq, b: theirs}
+                    raise CheckError(_describe_difference(f"{what}, group {group}", first, seqs[first], second, seqs[second]))
 
 
 def _describe_difference(what: str, rank: int, mine: list[str], other: int, theirs: list[str]) -> str:
