@@ -27,6 +27,12 @@ _rounds: dict[str, itertools.count] = collections.defaultdict(itertools.count)
 _previous: dict[str, str] = {}
 
 
+def first_difference(mine: list[str], theirs: list[str], missing: str) -> tuple[int, str, str]:
+    """(index, our line, their line) of the first place two ranks' posted lines differ; `missing` past an end."""
+    i = next(i for i in range(max(len(mine), len(theirs))) if i >= len(mine) or i >= len(theirs) or mine[i] != theirs[i])
+    return i, mine[i] if i < len(mine) else missing, theirs[i] if i < len(theirs) else missing
+
+
 def needs_exchange() -> bool:
     """False without a real multi-rank process group (one rank, or the fake one standing for all)."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"

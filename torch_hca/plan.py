@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.utils._pytree import tree_map
 
 from .errors import MeshError, PlacementError, PlanError
-from .exchange import exchange, needs_exchange
+from .exchange import exchange, first_difference, needs_exchange
 from .mesh import current_mesh
 from .logical import Holder, ScaleGrad, call_logically, check_input_layout, mesh_id
 from .rewrites import DTensorRewrites
@@ -365,9 +365,7 @@ def _check_same_plan(module: nn.Module, spec: ShardingSpec) -> None:
     for other, text in sorted(exchange("plan", "\n".join(mine), range(dist.get_world_size()), what).items()):
         theirs = text.split("\n")
         if theirs != mine:
-            i = next(i for i in range(max(len(mine), len(theirs))) if i >= len(mine) or i >= len(theirs) or mine[i] != theirs[i])
-            ours_line = mine[i] if i < len(mine) else "nothing"
-            their_line = theirs[i] if i < len(theirs) else "nothing"
+            _, ours_line, their_line = first_difference(mine, theirs, "nothing")
             raise PlanError(
                 f"{what}: rank {dist.get_rank()} and rank {other} were given different plans or models; the first "
                 f"difference: rank {dist.get_rank()} has {ours_line}, rank {other} has {their_line}. Give every "

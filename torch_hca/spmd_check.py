@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ._torch_private import group_members
 from .errors import CheckError
-from .exchange import exchange, needs_exchange
+from .exchange import exchange, first_difference, needs_exchange
 
 
 def check_same_collectives(mine: dict[str, list[str]], what: str) -> None:
@@ -58,9 +58,7 @@ def check_same_collectives(mine: dict[str, list[str]], what: str) -> None:
 
 
 def _describe_difference(what: str, rank: int, mine: list[str], other: int, theirs: list[str]) -> str:
-    i = next(i for i in range(max(len(mine), len(theirs))) if i >= len(mine) or i >= len(theirs) or mine[i] != theirs[i])
-    ours = mine[i] if i < len(mine) else "no collective"
-    other_one = theirs[i] if i < len(theirs) else "no collective"
+    i, ours, other_one = first_difference(mine, theirs, "no collective")
     return (
         f"{what}: rank {rank} and rank {other} compiled different collectives; the first difference is "
         f"collective #{i}: rank {rank} issues {ours}, rank {other} issues {other_one}. Give every rank "
