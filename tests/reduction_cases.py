@@ -45,7 +45,9 @@ def ddp_style_step(loss_reduction: str, compiled: bool = True) -> dict[str, Any]
         return ((a - b).norm() / b.norm()).item()
 
     hca_grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    counts = hca.report(run).collective_counts() if compiled else None
     return {
+        "collectives": counts,
         "vs_ddp": max(err(g, ddp_grads[n].grad) for n, g in hca_grads.items()),
         "vs_one_device": max(err(g, ref_grads[n].grad) for n, g in hca_grads.items()),
         "ratio_to_ddp": [round((g.norm() / ddp_grads[n].grad.norm()).item(), 4) for n, g in hca_grads.items()],
