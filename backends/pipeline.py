@@ -2,7 +2,9 @@
 
     Dynamo graph (the logical program, torch_hca.logical) --lift--> replicated DTensor program
       --layout--> DTensor program
-      --AOTAutograd--> joint graph --transpose--> partition --> forward, backward
+      --origins--> every node tagged
+      --AOTAutograd--> joint graph --transpose--> --collective rewrites--> --backward kept--> partition
+      --> forward, backward
       --schedule--> checked order --emit--> FX (eager) or Inductor
 """
 
@@ -32,7 +34,8 @@ from torch_hca.passes.layout import LayoutPass
 from torch_hca.passes.lift import LiftPass
 from torch_hca.passes.roles import CotangentRolePass
 from torch_hca.passes.schedule import SchedulePass
-from torch_hca.passes.transpose import PARTNER, RULE, TransposePass
+from torch_hca.passes.origins import OriginPass
+from torch_hca.passes.transpose import PARTNER, RULE, BackwardKeptPass, TransposePass
 
 from .emit import decompositions, emit
 
@@ -48,15 +51,17 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
     gm = run_pass(LiftPass(), gm, ctx)
     gm = run_pass(LayoutPass(), gm, ctx)
     gm = run_pass(CotangentRolePass(), gm, ctx)
+    gm = run_pass(OriginPass(), gm, ctx)
     report.dtensor_program = gm
     if options.inner == "dtensor":
         return _agreed(gm.forward, agreement)
 
     def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
-        # Rewrites first: the transpose pass must label the collectives that remain.
+        # The backward is checked as traced, then every later change must be an identity.
+        joint = run_pass(TransposePass(), joint, ctx)
         agree = agree_across_ranks if options.rank_rewrites else no_rank_rewrites
         joint = run_pass(CollectiveRewritePass(agree), joint, ctx)
-        report.joint = run_pass(TransposePass(), joint, ctx)
+        report.joint = run_pass(BackwardKeptPass(), joint, ctx)
         return default_partition(report.joint, joint_inputs, **kwargs)
 
     def forward_compiler(fw: fx.GraphModule, inputs):

@@ -309,8 +309,9 @@ class Builder:
                 vals, kw = tree_map_only(torch.Tensor, self._in_mode, (vals, kw))
                 node.meta["val"] = target(*vals, **kw)
         node.meta[REWRITE] = self.rule.identity
-        if "stack_trace" in self.origin.meta:
-            node.meta["stack_trace"] = self.origin.meta["stack_trace"]
+        for key in ("stack_trace", "custom"):  # "custom" holds the origin tag the transpose pass reads
+            if key in self.origin.meta:
+                node.meta[key] = self.origin.meta[key]
         self.made.append(node)
         return node
 
@@ -428,5 +429,7 @@ class CollectiveRewritePass:
         self.agree = agree
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        before = {n.name for n in gm.graph.nodes if n.target in OPS}
         applied = rewrite_collectives(gm, self.agree)
+        ctx.rewritten |= before - {n.name for n in gm.graph.nodes if n.target in OPS}
         return PassResult(gm, bool(applied), [str(a) for a in applied])

@@ -24,6 +24,9 @@ class PassContext:
     options: Options
     report: GraphReport
     example_inputs: list[Any] = field(default_factory=list)
+    origins: Any = None  # passes/origins.py's `Origins` of the DTensor program, once tagged
+    owed: Any = None     # passes/transpose.py's `Owed`: the backward as derived, before later passes
+    rewritten: set[str] = field(default_factory=set)  # collective nodes the rewrite pass replaced
     last_published: tuple[str, str] | None = None  # (name, text) the log and trace showed last
 
 

@@ -27,6 +27,7 @@ from torch_hca import dtensor_ops, layout_solver
 from torch_hca._torch_private import (
     RedistributionEvent, fake_dtensor_work, graph_arg_example, record_implicit_redistributions,
 )
+from torch_hca.collective_kinds import letter, move_kind
 from torch_hca.errors import UnsupportedError
 from torch_hca.plan import parameter_name
 from torch_hca.report import Redistribution, layout_str
@@ -127,6 +128,7 @@ class LayoutPass:
                     with graph.inserting_before(op.node):
                         moved[src, layout] = graph.call_function(dtensor_ops.redistribute, (src, layout))
                     node = moved[src, layout]
+                    _inherit_source(node, op.node)
                     self._record(ctx, node, src, written, layout, f"{op.node.name} reads it so (layout solver)")
                     decisions.append(f"{node.name}: {src.name} {layout_str(written)} -> {layout_str(layout)} for {op.node.name}")
                 op.node.replace_input_with(src, moved[src, layout])
@@ -153,7 +155,8 @@ class LayoutPass:
                     with graph.inserting_before(node):
                         moved = graph.call_function(dtensor_ops.redistribute, (src, placements))
                     node.replace_input_with(src, moved)
-                    env[moved] = dtensor_ops.redistribute(env[src], placements)
+                    env[moved] = moved.meta["example_value"] = dtensor_ops.redistribute(env[src], placements)
+                    _inherit_source(moved, node)
                     moved.meta["hca_layout"] = ctx.report.values[moved.name] = _value_meta(env[moved])
                     self._record(ctx, moved, src, env[src].placements, placements, f"{node.name} needs it")
                     decisions.append(f"{moved.name}: {src.name} {layout_str(env[src].placements)} -> {layout_str(placements)} for {node.name}")
@@ -179,9 +182,18 @@ class LayoutPass:
 
     @staticmethod
     def _record(ctx: PassContext, node: fx.Node, src: fx.Node, before, after, reason: str) -> None:
+        costed = [f"{k.value} (mesh dim {m})" for m, (b, a) in enumerate(zip(before, after))
+                  if (k := move_kind(letter(b), letter(a))) is not None]
         ctx.report.redistributions.append(
-            Redistribution(node.name, src.name, layout_str(before), layout_str(after), reason)
+            Redistribution(node.name, src.name, layout_str(before), layout_str(after), reason, ", ".join(costed) or "local")
         )
+
+
+def _inherit_source(move: fx.Node, reader: fx.Node) -> None:
+    """A move inserted for `reader` reports the module and source line of the code that reads it."""
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in reader.meta:
+            move.meta[key] = reader.meta[key]
 
 
 def _storage_of(node: fx.Node):

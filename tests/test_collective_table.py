@@ -205,3 +205,39 @@ def test_bytes_per_rank_ring_anchors():
 def test_bad_parameters_raise_before_communicating(fake_pg, kind, shape, params, message):
     with pytest.raises(CollectiveError, match=message):
         RULES[kind].emit(torch.randn(shape), dist.group.WORLD.group_name, **params)
+
+
+# ----------------------------------------------------------------------------- the move table
+
+_AR, _AG, _RS, _A2A = ck.Kind.ALL_REDUCE, ck.Kind.ALL_GATHER, ck.Kind.REDUCE_SCATTER, ck.Kind.ALL_TO_ALL
+# (src, dst) on one mesh dim -> (forward kind, kinds its backward may issue), for every pair the solver costs.
+MOVES = {
+    ("R", "R"): (None, {_AR}),             # only the cotangent reduction of a replicated value
+    ("R", "P"): (None, {_AR}),
+    ("R", "S0"): (None, {_AG, _AR}),       # local chunk; its transpose is zero-embed + sum: all_gather
+    ("P", "R"): (_AR, {_AR}),              # the cotangent may arrive replicated (nothing) or partial
+    ("P", "P"): (None, set()),
+    ("P", "S0"): (_RS, {_AG}),
+    ("S0", "R"): (_AG, {_RS}),             # reduce_scatter when the cotangent arrives partial
+    ("S0", "P"): (_AG, set()),             # P's cotangent is replicated: a local chunk back
+    ("S0", "S0"): (None, set()),
+    ("S0", "S1"): (_A2A, {_A2A, _AG}),     # gloo moves all_to_all as all_gather + keep a piece
+}
+
+
+@pytest.mark.parametrize("src,dst", list(MOVES))
+def test_the_move_table_says_how_to_move_and_transpose_every_pair(src, dst):
+    forward, backward = MOVES[src, dst]
+    assert ck.move_kind(src, dst) is forward
+    assert ck.backward_kinds(src, dst) == backward
+    if forward is not None and backward:  # a communicating move transposes to its physical transpose
+        assert ck.RULES[forward].transpose in backward
+
+
+def test_a_nested_shard_counts_the_gather_and_recut_of_its_outer_dim():
+    from torch_hca.passes.origins import Origin
+
+    # (S1, S1) -> (S1, R): the inner cut of tensor dim 1 changes, so DTensor gathers and re-cuts dim 0's too.
+    origin = Origin("m", "redistribute", (("S1", "S1"),), ("S1", "R"), move=True)
+    assert ("S1", "R") in origin.transition(0) and _AG in origin.backward_kinds(0)
+    assert origin.transition(1) == [("S1", "R")]

@@ -221,7 +221,7 @@ def forward(
         r = self.mlp_report()
         self.assertExpectedInline(normalize_table(r.table()), """\
 graph  dir  kind        group  n  shape  dtype    bytes  wire/rank  partner  rule
-#      for  all_reduce  0      4  8x64   float32  2048   3072       -        P -> R; its transpose R -> P needs no communication""")
+#      for  all_reduce  0      4  8x64   float32  2048   3072       -        all_reduce of redistribute_1 (redistribute; mesh dim 0: P -> R); no backward collective transposes it""")
         self.assertEqual(r.collective_counts("forward"), {"all_reduce": 1})
         self.assertEqual(r.collective_counts("backward"), {})
 

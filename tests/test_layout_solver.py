@@ -124,7 +124,7 @@ def test_two_d_mesh_with_cheaper_compute_gathers_the_batch(fake_pg):
     rep = _two_d_mlp(cost_model={"flops_per_s": 100e9})
     assert counts(rep) == ({"all_gather": 1, "all_reduce": 1}, {"all_gather": 1})
     (back,) = [c for c in rep.collectives if c.direction == "backward"]
-    assert back.rule.startswith("transpose of local chunk")
+    assert back.rule.startswith("transpose of the local chunk (R -> S) in redistribute")
 
 
 def test_explain_names_every_value_and_why(fake_pg):

@@ -29,12 +29,16 @@ def test_report_artifacts(fake_pg):
     assert g.redistributions[0].value == "l_self_modules_fc2_parameters_bias_"
     assert g.redistributions[0].reason == "out reads it so (layout solver)"
     assert g.redistributions[1].reason == "to_output reads it so (layout solver)"  # the result, as the caller receives it
+    # What the solver costed next to what was traced from each move (read from the origin tags).
+    assert [(r.costed, r.emitted) for r in g.redistributions] == [
+        ("local", "local"), ("all_reduce (mesh dim 0)", "all_reduce (mesh dim 0)")]
+    assert "all_reduce (mesh dim 0)  all_reduce (mesh dim 0)" in rep.moves() and "== moves ==" in str(rep)
     assert set(g.parameters) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
     assert g.parameters["fc2.weight"]["placements"] == "(S(1))"
     (c,) = rep.collectives
     assert (c.kind, c.direction, c.group_size, c.bytes, c.shape) == ("all_reduce", "forward", 4, 8 * 64 * 4, (8, 64))
     assert c.wire_bytes == 2 * 3 / 4 * c.bytes  # ring all-reduce: 2(n-1)/n of the payload
-    assert [p.name for p in g.passes] == ["lift", "layout", "roles", "collective_rewrites", "transpose", "schedule_forward", "schedule_backward"]
+    assert [p.name for p in g.passes] == ["lift", "layout", "roles", "origins", "transpose", "collective_rewrites", "backward_kept", "schedule_forward", "schedule_backward"]
     assert g.schedules["forward"]["per_group"] and g.schedules["backward"]["per_group"] == {}
 
 

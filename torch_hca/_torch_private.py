@@ -277,3 +277,23 @@ def quiet_cpu_alltoall_fallback() -> Iterator[None]:
         yield
     finally:
         _collective_utils.warning_once = original
+
+
+# The key under ``node.meta["custom"]`` that names a node's origin. AOTAutograd copies
+# ``meta["custom"]`` from the node it is tracing to every node that node's forward makes
+# (`torch.fx.proxy._COPY_META_FIELDS`), and from a forward node to the backward nodes of
+# the same autograd node (`copy_fwd_metadata_to_bw_nodes`, matched by ``seq_nr``).
+_ORIGIN = "hca_origin"
+
+
+def set_origin(node: fx.Node, origin: str) -> None:
+    """Name `origin` (a node of the DTensor program) as where `node` and what it traces to came from."""
+    custom = dict(node.meta.get("custom") or {})
+    custom[_ORIGIN] = origin
+    node.meta["custom"] = custom
+
+
+def origin_of(node: fx.Node) -> str | None:
+    """The DTensor program node `node` was traced from (forward) or differentiates (backward)."""
+    custom = node.meta.get("custom")
+    return custom.get(_ORIGIN) if isinstance(custom, dict) else None

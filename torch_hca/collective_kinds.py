@@ -343,6 +343,58 @@ _register(c10d.broadcast.default, OpInfo(Kind.BROADCAST, "input", 2))
 WAIT = c10d.wait_tensor.default
 
 
+# ----------------------------------------------------------------- moves
+# A move changes one mesh dimension of a value's layout, from `src` to `dst`,
+# each a letter: R, P or S<d>. The layout solver costs a move's forward and
+# backward from these functions and the transpose pass checks a backward
+# collective against them: one definition of what a move sends and owes.
+
+def letter(p) -> str:
+    """A DTensor placement as the move table reads it: R, P or S<d>."""
+    if p.is_replicate():
+        return "R"
+    return "P" if p.is_partial() else f"S{p.dim}"
+
+
+def cotangent_letter(p, varying: bool = False) -> str:
+    """The placement of the cotangent of a value laid out as `p`, as its consumers hand it back.
+
+    A replicated value's cotangent is partial when its consumers used it
+    differently on each rank (`varying`: each holds a summand), else replicated.
+    """
+    p = p if isinstance(p, str) else letter(p)
+    if p == "R":
+        return "P" if varying else "R"
+    return "R" if p == "P" else p
+
+
+def move_kind(src: str, dst: str) -> Kind | None:
+    """The collective that moves one mesh dimension from `src` to `dst` (None: a local step)."""
+    if src == dst or src == "R":
+        return None  # R -> S is a local chunk, R -> P keeps one summand
+    if src == "P":
+        return Kind.ALL_REDUCE if dst == "R" else Kind.REDUCE_SCATTER
+    if dst in ("R", "P"):
+        return Kind.ALL_GATHER
+    return Kind.ALL_TO_ALL
+
+
+def backward_kinds(src: str, dst: str) -> frozenset[Kind]:
+    """The collectives the backward of the move `src` -> `dst` may issue on its mesh dimension.
+
+    The backward moves the cotangent from how it arrives (`dst`'s cotangent,
+    partial or not) to `src`'s cotangent; a replicated source also owes the
+    sum of a partial cotangent (the cotangent reduction, P -> R). Gloo has no
+    all_to_all: DTensor moves S(a) -> S(b) there as an all_gather and keeps its piece.
+    """
+    kinds = {move_kind(cotangent_letter(dst, varying), cotangent_letter(src)) for varying in (False, True)}
+    if src == "R":
+        kinds.add(Kind.ALL_REDUCE)
+    if Kind.ALL_TO_ALL in kinds:
+        kinds.add(Kind.ALL_GATHER)
+    return frozenset(kinds - {None})
+
+
 def is_collective(target) -> bool:
     return target in OPS
 

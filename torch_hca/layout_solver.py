@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from . import dtensor_ops
 from ._torch_private import quiet_cpu_alltoall_fallback, record_implicit_redistributions
-from .collective_kinds import Kind
+from .collective_kinds import Kind, cotangent_letter, letter, move_kind
 from .cost_model import CostModel
 from .errors import PlanError, UnsupportedError
 from .logical import local_shape
@@ -154,30 +154,6 @@ class Solution:
 # ----------------------------------------------------------------------------- layouts and moves
 
 
-def _dual(p: Placement, varying: bool) -> str:
-    """The placement of a cotangent, seen from the consumer of a value laid out as `p`."""
-    if isinstance(p, Replicate):
-        return "P" if varying else "R"
-    if isinstance(p, Partial):
-        return "R"
-    return f"S{p.dim}"
-
-
-def _name(p: Placement) -> str:
-    return "R" if isinstance(p, Replicate) else "P" if isinstance(p, Partial) else f"S{p.dim}"
-
-
-def _move_kind(src: str, dst: str) -> Kind | None:
-    """The collective that changes one mesh dimension from `src` to `dst` (None: local)."""
-    if src == dst or src == "R":
-        return None  # R -> S is a local chunk, R -> P keeps one summand
-    if src == "P":
-        return Kind.ALL_REDUCE if dst == "R" else Kind.REDUCE_SCATTER
-    if dst in ("R", "P"):
-        return Kind.ALL_GATHER
-    return Kind.ALL_TO_ALL
-
-
 def _factor(p: Placement, n: int) -> int:
     return n if isinstance(p, Shard) else 1
 
@@ -219,7 +195,7 @@ class Costs:
     def forward(self, nbytes: float, src: Layout, dst: Layout, bucketed: bool = False, used: dict | None = None) -> float:
         total = 0.0
         for m, n in enumerate(self.sizes):
-            kind = _move_kind(_name(src[m]), _name(dst[m]))
+            kind = move_kind(letter(src[m]), letter(dst[m]))
             if kind is not None:
                 bucket = ("forward", kind, m) if bucketed else None
                 total += self.collective(kind, self.payload(nbytes, src, dst, m), n, bucket, used)
@@ -230,12 +206,12 @@ class Costs:
         """Transposes of the move src -> dst, and the mesh dims whose reduction the value owes."""
         total, owed = 0.0, []
         for m, n in enumerate(self.sizes):
-            arrives, needed = _dual(dst[m], varying[m]), _dual(src[m], False)
+            arrives, needed = cotangent_letter(dst[m], varying[m]), cotangent_letter(src[m])
             if isinstance(src[m], Replicate) and isinstance(dst[m], Replicate):
                 if arrives == "P":
                     owed.append(m)  # summed over consumers first, reduced once (see `reduction`)
                 continue
-            kind = _move_kind(arrives, needed)
+            kind = move_kind(arrives, needed)
             if kind is not None:
                 bucket = ("backward", kind, m) if bucketed else None
                 total += self.collective(kind, self.payload(nbytes, src, dst, m), n, bucket, used)
@@ -327,7 +303,7 @@ def probe(gm: fx.GraphModule, node: fx.Node, slots: list[fx.Node], layouts: tupl
     described = fx.node.map_arg((node.args, node.kwargs), lambda n: ("slot", slots.index(n)) if n in swap else _describe_arg(value_of(n)))
     target = node.target if node.op != "call_module" else type(gm.get_submodule(node.target))
     mesh = value_of(slots[0]).device_mesh
-    key = (node.op, target, repr(described), tuple(tuple(map(_name, lay)) for lay in layouts),
+    key = (node.op, target, repr(described), tuple(tuple(map(letter, lay)) for lay in layouts),
            tuple(tuple(value_of(s).shape) for s in slots), tuple(mesh.shape))
     if key in _PROBES:
         return _PROBES[key]

@@ -133,6 +133,8 @@ class Redistribution:
     src: str
     dst: str
     reason: str
+    costed: str = ""   # the collectives the layout solver's cost model charges for it, per mesh dim
+    emitted: str = ""  # the forward collectives traced from it (the transpose pass reads their origin tags)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -255,6 +257,21 @@ class CompileReport:
             lines += [line] if width is None or len(line) <= width else _wrap_last_column(r, widths, width)
         return "\n".join(lines)
 
+    def moves(self) -> str:
+        """Every explicit move: value, layouts, what the solver costed next to what was emitted, and why."""
+        rows = [("graph", "node", "value", "src -> dst", "costed", "emitted", "reason")]
+        for position, g in enumerate(self.graphs):
+            rows += [(str(position), r.node, r.value, f"{r.src} -> {r.dst}", r.costed or "-", r.emitted or "-", r.reason)
+                     for r in g.redistributions]
+        if len(rows) == 1:
+            return "(no moves in the DTensor programs)"
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = []
+        for r in rows:
+            line = "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()
+            lines += [line] if len(line) <= WIDTH else _wrap_last_column(r, widths, WIDTH)
+        return "\n".join(lines)
+
     def partial_gradients(self) -> list[dict[str, Any]]:
         """Parameters whose current ``.grad`` is still Partial.
 
@@ -357,6 +374,7 @@ class CompileReport:
         parts = []
         for g in self.graphs:
             parts.append(f"== graph {g.index}: DTensor program ==\n{readable_code(g.dtensor_code)}")
+        parts.append("== moves ==\n" + self.moves())
         parts.append("== collectives ==\n" + self.table(WIDTH))
         pending = self.partial_gradients()
         if pending:
