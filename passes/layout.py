@@ -182,7 +182,7 @@ class LayoutPass:
 
     @staticmethod
     def _record(ctx: PassContext, node: fx.Node, src: fx.Node, before, after, reason: str) -> None:
-        costed = [f"{k.value} (mesh dim {m})" for m, (b, a) in enumerate(zip(before, after))
+        costed = [f"{k.value}@{m}" for m, (b, a) in enumerate(zip(before, after))
                   if (k := move_kind(letter(b), letter(a))) is not None]
         ctx.report.redistributions.append(
             Redistribution(node.name, src.name, layout_str(before), layout_str(after), reason, ", ".join(costed) or "local")

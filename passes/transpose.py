@@ -170,7 +170,7 @@ class TransposePass:
             decisions.append(f"{bw.name}: {bw.meta[RULE]}")
         ctx.owed = [Owed.of(n) for n in colls if n in backward]
         for move in ctx.report.redistributions:  # what each move issued, next to what the solver costed
-            issued = [f"{kind_of(fw).value} (mesh dim {origins.dims.get(group_of(fw), '?')})" for fw in by_origin.get(move.node, [])]
+            issued = [f"{kind_of(fw).value}@{origins.dims.get(group_of(fw), '?')}" for fw in by_origin.get(move.node, [])]
             move.emitted = ", ".join(issued) or "local"
         for fw in (n for n in colls if n not in backward and PARTNER not in n.meta):
             fw.meta[RULE] += "; no backward collective transposes it"

@@ -31,8 +31,8 @@ def test_report_artifacts(fake_pg):
     assert g.redistributions[1].reason == "to_output reads it so (layout solver)"  # the result, as the caller receives it
     # What the solver costed next to what was traced from each move (read from the origin tags).
     assert [(r.costed, r.emitted) for r in g.redistributions] == [
-        ("local", "local"), ("all_reduce (mesh dim 0)", "all_reduce (mesh dim 0)")]
-    assert "all_reduce (mesh dim 0)  all_reduce (mesh dim 0)" in rep.moves() and "== moves ==" in str(rep)
+        ("local", "local"), ("all_reduce@0", "all_reduce@0")]
+    assert "all_reduce@0  all_reduce@0" in rep.moves() and "== moves ==" in str(rep)
     assert set(g.parameters) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
     assert g.parameters["fc2.weight"]["placements"] == "(S(1))"
     (c,) = rep.collectives

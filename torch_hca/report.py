@@ -133,7 +133,7 @@ class Redistribution:
     src: str
     dst: str
     reason: str
-    costed: str = ""   # the collectives the layout solver's cost model charges for it, per mesh dim
+    costed: str = ""   # the collectives the layout solver charges for it, as kind@mesh dim
     emitted: str = ""  # the forward collectives traced from it (the transpose pass reads their origin tags)
 
     def as_dict(self) -> dict[str, Any]:
