@@ -20,14 +20,15 @@ from torch.distributed.tensor import DTensor
 
 from torch_hca._torch_private import graph_arg_example, group_size
 from torch_hca.agreement import InputAgreement
-from torch_hca.collective_kinds import OPS, RULES, node_payload
+from torch_hca.spmd.collective_kinds import OPS, RULES, node_group, node_payload
 from torch_hca.options import Options
 from torch_hca.plan import parameter_name
 from torch_hca.errors import HCAError, UnsupportedError
 from torch_hca.lifting import dtensor_failure
 from torch_hca.spmd_check import check_same_collectives
 from torch_hca.refinement import check_refinement
-from torch_hca.report import CollectiveRecord, CompileReport, GraphReport, layout_str, new_graph_report
+from torch_hca.report import CollectiveRecord, CompileReport, GraphReport, new_graph_report
+from torch_hca.spmd.placements import layout_str
 from torch_hca.passes.collective_rewrites import REWRITE, CollectiveRewritePass, agree_across_ranks, no_rank_rewrites
 from torch_hca.passes.infra import PassContext, dump, run_pass
 from torch_hca.passes.layout import LayoutPass
@@ -200,7 +201,7 @@ def _record_collectives(report: GraphReport, gm: fx.GraphModule, direction: str)
             continue
         info = OPS[node.target]
         vals = node_payload(node)
-        group = str(node.args[info.group_arg])
+        group = node_group(node)
         n = group_size(group)
         payload = sum(v.numel() * v.element_size() for v in vals)
         report.collectives.append(CollectiveRecord(

@@ -27,10 +27,12 @@ from torch_hca import dtensor_ops, layout_solver
 from torch_hca._torch_private import (
     RedistributionEvent, fake_dtensor_work, graph_arg_example, record_implicit_redistributions,
 )
-from torch_hca.collective_kinds import letter, move_kind
+from torch_hca.spmd.collective_kinds import move_kind
+from torch_hca.spmd.placements import letter
 from torch_hca.errors import UnsupportedError
 from torch_hca.plan import parameter_name
-from torch_hca.report import Redistribution, layout_str
+from torch_hca.report import Redistribution
+from torch_hca.spmd.placements import layout_str
 
 from .infra import PassContext, PassResult
 

@@ -22,7 +22,8 @@ from torch.distributed.tensor import DTensor
 
 from torch_hca import dtensor_ops
 from torch_hca._torch_private import set_origin
-from torch_hca.collective_kinds import Kind, backward_kinds, letter, move_kind
+from torch_hca.spmd.collective_kinds import Kind, backward_kinds, move_kind
+from torch_hca.spmd.placements import letter
 
 from .infra import PassContext, PassResult
 

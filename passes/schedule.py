@@ -55,7 +55,7 @@ from typing import Any
 import torch.fx as fx
 
 from torch_hca._torch_private import copy_graph_module, group_size
-from torch_hca.collective_kinds import OPS, WAIT, node_payload
+from torch_hca.spmd.collective_kinds import OPS, WAIT, node_group, node_payload
 from torch_hca.errors import CheckError
 from torch_hca.schedule_check import ScheduleSummary, check_reorder
 
@@ -121,7 +121,7 @@ def _bucket_cap(gm: fx.GraphModule, ctx: PassContext) -> float:
     """Bytes per bucket: the option, or the cost model's choice for the largest group here."""
     if ctx.options.bucket_cap_mb is not None:
         return ctx.options.bucket_cap_mb * MB
-    sizes = [group_size(str(n.args[OPS[n.target].group_arg])) for n in gm.graph.nodes
+    sizes = [group_size(node_group(n)) for n in gm.graph.nodes
              if n.op == "call_function" and n.target in OPS]
     device = (ctx.report.mesh or {}).get("device_type", "cpu")
     return ctx.options.costs(device).bucket_cap_bytes(max(sizes, default=1))
@@ -173,7 +173,7 @@ class _Scheduler:
         self.deps = {n: list(dict.fromkeys([*n.all_input_nodes, *extra.get(n, [])])) for n in self.nodes}
         last_of_group: dict[str, fx.Node] = {}
         for s in starts:  # one issue order per group: the graph's
-            group = str(s.args[OPS[s.target].group_arg])
+            group = node_group(s)
             if group in last_of_group and last_of_group[group] not in self.deps[s]:
                 self.deps[s].append(last_of_group[group])
             last_of_group[group] = s

@@ -29,7 +29,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
 from torch_hca._torch_private import origin_of
-from torch_hca.collective_kinds import OPS, RULES, WAIT, Kind, node_payload
+from torch_hca.spmd.collective_kinds import OPS, RULES, WAIT, Kind, node_group, node_kind, node_payload
 from torch_hca.errors import CheckError
 
 from .collective_rewrites import REWRITE
@@ -50,14 +50,6 @@ def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
 
 def collectives(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function" and n.target in OPS]
-
-
-def kind_of(node: fx.Node) -> Kind:
-    return OPS[node.target].kind
-
-
-def group_of(node: fx.Node) -> str:
-    return node.args[OPS[node.target].group_arg]
 
 
 def numel_of(node: fx.Node) -> int | None:
@@ -82,7 +74,7 @@ class Owed:
         waits = [w for w in node.users if w.target is WAIT] or [node]
         readers = sorted(f"{r.name}@{i}" for w in waits for r in w.users
                          for i, a in enumerate(tree_leaves((r.args, r.kwargs))) if a is w)
-        return Owed(node.name, kind_of(node), group_of(node), numel_of(node), origin_of(node),
+        return Owed(node.name, node_kind(node), node_group(node), numel_of(node), origin_of(node),
                     tuple(a.name for a in node.all_input_nodes), tuple(readers))
 
     def differences(self, now: "Owed", names: set[str]) -> list[str]:
@@ -96,7 +88,7 @@ class Owed:
 
 
 def _unproven(ctx: PassContext, node: fx.Node, why: str) -> str:
-    message = f"transpose pass: backward {kind_of(node).value} {node.name} is unproven: {why}"
+    message = f"transpose pass: backward {node_kind(node).value} {node.name} is unproven: {why}"
     if ctx.options.strict:
         raise CheckError(message + " (strict mode)")
     return message
@@ -110,14 +102,14 @@ def _allowed(origin: Origin, dim: int | None, forward: list[fx.Node]) -> set[Kin
     the same table) the transposes of what its forward issued on that group.
     """
     if origin.local_view:
-        return {RULES[kind_of(fw)].transpose for fw in forward}
+        return {RULES[node_kind(fw)].transpose for fw in forward}
     return origin.backward_kinds(dim)
 
 
 def _transposes(fw: fx.Node, origin: Origin, dim: int | None) -> set[Kind]:
     """The kinds that transpose forward collective `fw` of `origin`."""
-    kinds = {RULES[kind_of(fw)].transpose}
-    if kind_of(fw) is Kind.ALL_GATHER and dim is not None and Kind.ALL_TO_ALL in origin.forward_kinds(dim):
+    kinds = {RULES[node_kind(fw)].transpose}
+    if node_kind(fw) is Kind.ALL_GATHER and dim is not None and Kind.ALL_TO_ALL in origin.forward_kinds(dim):
         kinds.add(Kind.ALL_GATHER)  # gloo: all_to_all as all_gather + keep a piece, both ways
     return kinds
 
@@ -145,32 +137,32 @@ class TransposePass:
         for fw in (n for n in colls if n not in backward):
             origin = origins.get(origin_of(fw))
             by_origin.setdefault(origin.name if origin else "", []).append(fw)
-            dim = origins.dims.get(group_of(fw))
-            fw.meta[RULE] = (f"{kind_of(fw).value} of {origin.describe(dim)}" if origin
-                             else f"{kind_of(fw).value} with no origin tag")
+            dim = origins.dims.get(node_group(fw))
+            fw.meta[RULE] = (f"{node_kind(fw).value} of {origin.describe(dim)}" if origin
+                             else f"{node_kind(fw).value} with no origin tag")
         for bw in (n for n in colls if n in backward):
-            kind, origin, dim = kind_of(bw), origins.get(origin_of(bw)), origins.dims.get(group_of(bw))
-            forward = [fw for fw in by_origin.get(origin.name if origin else "", []) if group_of(fw) == group_of(bw)]
+            kind, origin, dim = node_kind(bw), origins.get(origin_of(bw)), origins.dims.get(node_group(bw))
+            forward = [fw for fw in by_origin.get(origin.name if origin else "", []) if node_group(fw) == node_group(bw)]
             if origin is None:
                 bw.meta[RULE] = _unproven(ctx, bw, "it carries no origin tag")
             elif not origin.local_view and dim is None:
-                bw.meta[RULE] = _unproven(ctx, bw, f"its group {group_of(bw)} is no mesh dimension")
+                bw.meta[RULE] = _unproven(ctx, bw, f"its group {node_group(bw)} is no mesh dimension")
             elif kind not in (allowed := _allowed(origin, dim, forward)):
                 names = ", ".join(sorted(k.value for k in allowed)) or "nothing"
-                bw.meta[RULE] = _unproven(ctx, bw, f"only {names} may transpose {origin.describe(dim)} on group {group_of(bw)}")
+                bw.meta[RULE] = _unproven(ctx, bw, f"only {names} may transpose {origin.describe(dim)} on group {node_group(bw)}")
             else:
                 partner = next((fw for fw in reversed(forward) if PARTNER not in fw.meta
                                 and numel_of(fw) == numel_of(bw) and kind in _transposes(fw, origin, dim)), None)
                 if partner is not None:
                     partner.meta[PARTNER], bw.meta[PARTNER] = bw.name, partner.name
                     partner.meta[RULE] += f"; transposed by {bw.name}"
-                    bw.meta[RULE] = f"transpose of {partner.name} ({kind_of(partner).value} of {origin.name})"
+                    bw.meta[RULE] = f"transpose of {partner.name} ({node_kind(partner).value} of {origin.name})"
                 else:
                     bw.meta[RULE] = _unpaired_rule(kind, origin, dim)
             decisions.append(f"{bw.name}: {bw.meta[RULE]}")
         ctx.owed = [Owed.of(n) for n in colls if n in backward]
         for move in ctx.report.redistributions:  # what each move issued, next to what the solver costed
-            issued = [f"{kind_of(fw).value}@{origins.dims.get(group_of(fw), '?')}" for fw in by_origin.get(move.node, [])]
+            issued = [f"{node_kind(fw).value}@{origins.dims.get(node_group(fw), '?')}" for fw in by_origin.get(move.node, [])]
             move.emitted = ", ".join(issued) or "local"
         for fw in (n for n in colls if n not in backward and PARTNER not in n.meta):
             fw.meta[RULE] += "; no backward collective transposes it"

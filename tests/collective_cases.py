@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import torch_hca as hca
-from torch_hca.collective_kinds import Kind, emit, emit_transpose
+from torch_hca.spmd.collective_kinds import Kind, emit, emit_transpose
 
 C = hca.collectives
 

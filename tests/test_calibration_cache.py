@@ -1,4 +1,4 @@
-"""The calibration cache (`torch_hca.cost_model`): one entry per (host, world size, backend,
+"""The calibration cache (`torch_hca.spmd.cost_model`): one entry per (host, world size, backend,
 torch version), read back only on an exact match; a broken file is ignored with a warning.
 `hca.calibrate(cache=True)` follows rank 0's cache on every rank."""
 
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import torch_hca as hca
-from torch_hca.cost_model import CACHE_FILE, cache_dir, cached_calibration, store_calibration
+from torch_hca.spmd.cost_model import CACHE_FILE, cache_dir, cached_calibration, store_calibration
 
 FIGURES = {"launch_s": 2e-4, "alpha_s": 0.0, "bytes_per_s": 1.5e9, "flops_per_s": 9e10, "memory_bytes_per_s": 2e10}
 

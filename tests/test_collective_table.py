@@ -1,4 +1,4 @@
-"""The table of collective kinds (`torch_hca.collective_kinds`).
+"""The table of collective kinds (`torch_hca.spmd.collective_kinds`).
 
 * Every kind against its transpose: ``<A x, y> = <x, A^T y>`` summed over the
   mesh, on real gloo ranks at world sizes 2 and 4, fp64 and fp32, parameters
@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import collective_cases
-from torch_hca import collective_kinds as ck
-from torch_hca.collective_kinds import OPS, RULES, WAIT, Kind, bytes_per_rank
+from torch_hca.spmd import collective_kinds as ck
+from torch_hca.spmd.collective_kinds import OPS, RULES, WAIT, Kind, bytes_per_rank
 from torch_hca.errors import CheckError, CollectiveError
 
 WORLD_SIZES = (2, 4)

@@ -1,8 +1,10 @@
-"""The layering is one-way (docs/theory.md, section 7): core <- passes <- backends.
+"""The layering is one-way (docs/theory.md, section 7): spmd <- core <- passes <- backends.
 
-Modules in torch_hca/ (the core) never import torch_hca.passes or
-torch_hca.backends; modules in passes/ never import torch_hca.backends. Read
-from the source with `ast`, so an import inside a function counts too.
+The algebra in torch_hca/spmd/ imports nothing of torch_hca but itself and the
+base (`torch_hca.errors`, `torch_hca._torch_private`); modules in torch_hca/
+(the core) never import torch_hca.passes or torch_hca.backends; modules in
+passes/ never import torch_hca.backends. Read from the source with `ast`, so an
+import inside a function counts too.
 """
 
 from __future__ import annotations
@@ -86,6 +88,19 @@ def _violations(folder: str) -> list[str]:
                 if module == forbidden or module.startswith(forbidden + "."):
                     bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
     return bad
+
+
+SPMD_MAY_IMPORT = ("torch_hca.spmd", "torch_hca.errors", "torch_hca._torch_private")
+
+
+def test_the_algebra_imports_nothing_above_it():
+    spmd = sorted((ROOT / "torch_hca" / "spmd").rglob("*.py"))
+    assert spmd, "no torch_hca/spmd package"
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+           for path in spmd for line, module in imported_modules("torch_hca", path)
+           if (module == "torch_hca" or module.startswith("torch_hca."))
+           and not any(module == m or module.startswith(m + ".") for m in SPMD_MAY_IMPORT)]
+    assert bad == []
 
 
 @pytest.mark.parametrize("folder", sorted(PACKAGES))

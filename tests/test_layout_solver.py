@@ -156,7 +156,7 @@ def test_memory_budget_too_small_names_the_values(fake_pg):
 
 def test_exact_beats_or_ties_greedy_and_costs_agree(fake_pg):
     from torch_hca._torch_private import fake_mode_of
-    from torch_hca.cost_model import cost_model
+    from torch_hca.spmd.cost_model import cost_model
 
     graphs = []
     model = hca.sharded(zoo.TP_BLOCK)(zoo.TransformerBlock(128, 4, 512))

@@ -19,8 +19,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import torch_hca as hca
 from torch_hca import zoo
-from torch_hca.collective_kinds import Kind
-from torch_hca.cost_model import CostModel, cost_model
+from torch_hca.spmd.collective_kinds import Kind
+from torch_hca.spmd.cost_model import CostModel, cost_model
 from torch_hca.timeline import Timeline, estimate
 
 aten = torch.ops.aten

@@ -24,12 +24,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import torch_hca as hca
 from torch_hca._torch_private import set_origin
-from torch_hca.collective_kinds import OPS, WAIT, Kind
+from torch_hca.spmd.collective_kinds import OPS, WAIT, Kind, node_group, node_kind
 from torch_hca.options import Options
 from torch_hca.passes import collective_rewrites
 from torch_hca.passes.infra import PassContext
 from torch_hca.passes.origins import Origin, Origins
-from torch_hca.passes.transpose import PARTNER, RULE, BackwardKeptPass, TransposePass, backward_nodes, group_of, kind_of
+from torch_hca.passes.transpose import PARTNER, RULE, BackwardKeptPass, TransposePass, backward_nodes
 from torch_hca.report import GraphReport
 
 c10d = torch.ops._c10d_functional
@@ -123,13 +123,13 @@ def test_each_backward_collective_pairs_with_its_own_layer(fake_pg):
     joint = compile_stack().graph.joint
     backward = backward_nodes(joint.graph)
     pairs = [(n, joint.graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default))
-             for n in joint.graph.nodes if n in backward and n.target in OPS and kind_of(n) is Kind.REDUCE_SCATTER]
+             for n in joint.graph.nodes if n in backward and n.target in OPS and node_kind(n) is Kind.REDUCE_SCATTER]
     assert len(pairs) == 2 * LAYERS  # the two weights of each block
     by_name = {n.name: n for n in joint.graph.nodes}
     seen_layers = []
     for bw, _ in pairs:
         fw = by_name[bw.meta[PARTNER]]
-        assert fw.meta[PARTNER] == bw.name and kind_of(fw) is Kind.ALL_GATHER
+        assert fw.meta[PARTNER] == bw.name and node_kind(fw) is Kind.ALL_GATHER
         assert layer_read_by(fw) == layer_written_by(bw) is not None, (fw.name, bw.name)
         seen_layers.append(layer_written_by(bw))
     assert sorted(seen_layers) == sorted(list(range(LAYERS)) * 2)
@@ -139,7 +139,7 @@ def test_every_backward_collective_of_a_two_d_stack_is_proven(fake_pg):
     joint = compile_stack(two_d=True).graph.joint  # strict: an unproven one would have raised
     backward = backward_nodes(joint.graph)
     rules = [n.meta[RULE] for n in joint.graph.nodes if n in backward and n.target in OPS]
-    groups = {group_of(n) for n in joint.graph.nodes if n in backward and n.target in OPS}
+    groups = {node_group(n) for n in joint.graph.nodes if n in backward and n.target in OPS}
     assert groups and rules
     assert all(r.startswith(("transpose of", "cotangent reduction")) for r in rules), rules
 
@@ -210,8 +210,8 @@ def test_strict_mode_rejects_a_kind_the_move_table_does_not_allow(fake_pg):
 
 def _backward(gm: fx.GraphModule, kind: Kind, group: str | None = None) -> list[fx.Node]:
     backward = backward_nodes(gm.graph)
-    return [n for n in gm.graph.nodes if n in backward and n.target in OPS and kind_of(n) is kind
-            and (group is None or group_of(n) == group)]
+    return [n for n in gm.graph.nodes if n in backward and n.target in OPS and node_kind(n) is kind
+            and (group is None or node_group(n) == group)]
 
 
 def _waited(node: fx.Node) -> fx.Node:
@@ -258,9 +258,9 @@ def wrong_group(gm):
 
 
 def wrong_mesh_dim(gm):
-    groups = {group_of(n) for n in gm.graph.nodes if n.target in OPS}
+    groups = {node_group(n) for n in gm.graph.nodes if n.target in OPS}
     rs = _backward(gm, Kind.REDUCE_SCATTER)[0]
-    (other,) = groups - {group_of(rs)}
+    (other,) = groups - {node_group(rs)}
     rs.args = (*rs.args[:3], other)
     return rs.name
 
@@ -269,7 +269,7 @@ def extra_collective(gm):
     rs = _backward(gm, Kind.REDUCE_SCATTER)[0]
     wait = _waited(rs)
     with gm.graph.inserting_after(wait):
-        extra = gm.graph.call_function(c10d.all_reduce.default, (wait, "sum", group_of(rs)))
+        extra = gm.graph.call_function(c10d.all_reduce.default, (wait, "sum", node_group(rs)))
         extra.meta["val"] = wait.meta["val"]
     with gm.graph.inserting_after(extra):
         waited = gm.graph.call_function(WAIT, (extra,))

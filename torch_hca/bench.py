@@ -48,7 +48,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from . import zoo
 from ._torch_private import ddp_bucket_bytes
 from .calibrate import cached_calibrate
-from .collective_kinds import Kind, bytes_per_rank
+from .spmd.collective_kinds import Kind, bytes_per_rank
 from .launch import launch
 from .mesh import init_mesh
 from .plan import sharded, trace_over_dtensor

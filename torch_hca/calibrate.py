@@ -1,6 +1,6 @@
 """`hca.calibrate`: measure the cost model's figures on the cluster at hand.
 
-The layout solver and the timeline use `torch_hca.cost_model.CostModel`; its
+The layout solver and the timeline use `torch_hca.spmd.cost_model.CostModel`; its
 defaults are rough. This measures, on the current process group and device:
 
   * latency: an all_gather and an all_reduce of 4 bytes, whose difference
@@ -15,7 +15,7 @@ Use the result as ``options={"cost_model": hca.calibrate()}``.
 
 ``hca.calibrate(cache=True)`` measures once per machine: it returns the figures
 cached for (rank 0's host, world size, backend, torch version) when there are
-some (`torch_hca.cost_model.cached_calibration`; rank 0 reads, every rank gets
+some (`torch_hca.spmd.cost_model.cached_calibration`; rank 0 reads, every rank gets
 its answer), else measures and stores them; ``refresh=True`` measures again.
 """
 
@@ -27,8 +27,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .collective_kinds import RULES, Kind
-from .cost_model import cached_calibration, store_calibration
+from .spmd.collective_kinds import RULES, Kind
+from .spmd.cost_model import cached_calibration, store_calibration
 from .errors import HCAError, MeshError
 from .mesh import current_mesh
 

@@ -78,7 +78,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ._torch_private import group_members, group_rank, group_size
-from .collective_kinds import RULES, Kind
+from .spmd.collective_kinds import RULES, Kind
 from .errors import CollectiveError, MeshError, RoleError
 from .exchange import exchange, needs_exchange
 from .mesh import current_mesh

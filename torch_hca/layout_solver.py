@@ -9,7 +9,7 @@ storage layout or are gathered; program inputs and explicit redistributions
 are fixed. An edge producer -> consumer whose layouts differ pays for a
 redistribution.
 
-The cost of a choice (seconds, `torch_hca.cost_model`):
+The cost of a choice (seconds, `torch_hca.spmd.cost_model`):
   * forward redistributions, and in backward their transposes (docs/theory.md,
     section 3: all_gather <-> reduce_scatter, all_to_all <-> all_to_all,
     all_reduce P->R <-> nothing, unless the cotangent comes back partial);
@@ -51,8 +51,9 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from . import dtensor_ops
 from ._torch_private import quiet_cpu_alltoall_fallback, record_implicit_redistributions
-from .collective_kinds import Kind, cotangent_letter, letter, move_kind
-from .cost_model import CostModel
+from .spmd.collective_kinds import Kind, cotangent_letter, move_kind
+from .spmd.placements import layout_str, letter
+from .spmd.cost_model import CostModel
 from .errors import PlanError, UnsupportedError
 from .logical import local_shape
 
@@ -109,12 +110,6 @@ def op_name(node: fx.Node) -> str:
 VIEWS = {"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "flatten", "t", "contiguous",
          torch.reshape, torch.transpose, torch.permute, torch.flatten, torch.unsqueeze, torch.squeeze}
 MATMULS = {F.linear, torch.matmul, torch.bmm, torch.mm, operator.matmul, "matmul", "bmm", "mm"}
-
-
-def layout_text(layout: Layout | None) -> str:
-    if layout is None:
-        return "-"
-    return "(" + ", ".join("R" if isinstance(p, Replicate) else f"S({p.dim})" if isinstance(p, Shard) else "P" for p in layout) + ")"
 
 
 @dataclass(frozen=True)
@@ -716,11 +711,11 @@ def explain_rows(ops: list[Op], costs: Costs, choice: dict[fx.Node, Strategy], m
             mine = local(op, s)
             others = [(local(op, t) - mine, t) for t in op.strategies if t is not s]
             delta, best = min(others, key=lambda x: x[0])
-            why = (f"beat {layout_text(best.output)} reading {', '.join(map(layout_text, best.inputs))} "
+            why = (f"beat {layout_str(best.output)} reading {', '.join(map(layout_str, best.inputs))} "
                    f"by {delta * 1e6:.1f} us ({len(op.strategies)} candidates)")
         rows.append({
-            "value": op.node.name, "shape": list(op.value.shape), "placement": layout_text(s.output),
-            "reads": [layout_text(l) for l in s.inputs],
+            "value": op.node.name, "shape": list(op.value.shape), "placement": layout_str(s.output),
+            "reads": [layout_str(l) for l in s.inputs],
             "compute_us": s.compute_s * 1e6, "forward_comm_us": fw * 1e6, "backward_comm_us": bw * 1e6,
             "memory_bytes": s.memory_bytes, "why": why,
         })

@@ -333,7 +333,7 @@ def dtensor_failure(gm: fx.GraphModule, error: BaseException, graph_index: int) 
 
 
 def _input_layouts(node: fx.Node) -> str:
-    from .report import layout_str
+    from .spmd.placements import layout_str
 
     parts = [f"{a.name}: {layout_str(v.placements)}" for a in node.all_input_nodes
              if isinstance(v := a.meta.get("example_value"), DTensor)]

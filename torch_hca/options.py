@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from numbers import Real
 from typing import Any
 
-from .cost_model import DEFAULTS, CostModel, backend_for, cost_model, with_overrides
+from .spmd.cost_model import DEFAULTS, CostModel, backend_for, cost_model, with_overrides
 from .errors import OptionsError
 
 INNER = ("eager", "inductor", "dtensor")
@@ -43,7 +43,7 @@ class Options:
       (default None: no bound); a layout that cannot fit is a PlanError.
     solver_time_limit_s: time limit of the exact solver before the greedy
       fallback takes over (default 10).
-    cost_model: overrides of `torch_hca.cost_model.CostModel` fields
+    cost_model: overrides of `torch_hca.spmd.cost_model.CostModel` fields
       (launch_s, alpha_s, bytes_per_s, flops_per_s, memory_bytes_per_s).
     schedule: reorder (start collectives early, wait late) and bucket
       collectives (default True); False keeps the traced order.

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from .errors import CheckError
 from .plan import parameter_name
-from .report import layout_str
+from .spmd.placements import layout_str
 
 # Relative error (2-norm) beyond which a value is wrong: fp32 rounding on these
 # programs stays below 1e-5; a wrong collective is off by O(1).

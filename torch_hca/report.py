@@ -18,21 +18,8 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from .errors import HCAError
+from .spmd.placements import layout_str
 from .gradients import partial_dims
-
-
-def placement_str(p: Placement) -> str:
-    if isinstance(p, Shard):
-        return f"S({p.dim})"
-    if isinstance(p, Replicate):
-        return "R"
-    if isinstance(p, Partial):
-        return f"P({p.reduce_op})"
-    return repr(p)
-
-
-def layout_str(layout) -> str:
-    return "(" + ", ".join(placement_str(p) for p in layout) + ")"
 
 
 # ----------------------------------------------------------------------------- text for people

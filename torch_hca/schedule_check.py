@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .collective_kinds import OPS, WAIT
+from .spmd.collective_kinds import OPS, WAIT, node_group
 from .errors import CheckError
 
 
@@ -88,12 +88,6 @@ def _alias_source(node: fx.Node) -> fx.Node | None:
         return _aliased_arg(src, returns[index]) if isinstance(index, int) and 0 <= index < len(returns) else None
     schema = _schema(node)
     return _aliased_arg(node, schema.returns[0]) if schema is not None and len(schema.returns) == 1 else None
-
-
-def _group(coll: fx.Node) -> str:
-    """The process group a collective node runs on (positional or keyword)."""
-    i = OPS[coll.target].group_arg
-    return str(coll.args[i] if i < len(coll.args) else coll.kwargs[coll.target._schema.arguments[i].name])
 
 
 def _inputs(coll: fx.Node) -> list[fx.Node]:
@@ -170,7 +164,7 @@ def check_order(gm: fx.GraphModule, what: str = "graph") -> ScheduleSummary:
             leases.root[node] = leases.base(source)
         if node.op == "call_function" and node.target in OPS:
             leases.start(node)
-            per_group.setdefault(_group(node), []).append(_describe(node))
+            per_group.setdefault(node_group(node), []).append(_describe(node))
         seen.add(node)
     if leases.pending:
         names = ", ".join(sorted({c.name for c in leases.pending.values()}))
@@ -213,7 +207,7 @@ def _group_sequences(graph: fx.Graph) -> dict[str, list[str]]:
     seqs: dict[str, list[str]] = {}
     for node in graph.nodes:
         if node.op == "call_function" and node.target in OPS:
-            seqs.setdefault(_group(node), []).append(node.name)
+            seqs.setdefault(node_group(node), []).append(node.name)
     return seqs
 
 

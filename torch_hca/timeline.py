@@ -46,8 +46,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from . import _torch_private
-from .collective_kinds import OPS, WAIT, node_payload
-from .cost_model import CostModel
+from .spmd.collective_kinds import OPS, WAIT, node_group, node_payload
+from .spmd.cost_model import CostModel
 from .errors import HCAError
 
 COMPUTE = "compute"
@@ -178,12 +178,6 @@ def op_seconds(node: fx.Node, costs: CostModel) -> float:
 
 # ------------------------------------------------------------ the player
 
-def _group_name(node: fx.Node) -> str:
-    info = OPS[node.target]
-    group = node.args[info.group_arg] if len(node.args) > info.group_arg else node.kwargs["group_name"]
-    return str(group)
-
-
 class _Player:
     """The clocks: the compute lane's time, each group lane's free time, each collective's end."""
 
@@ -217,7 +211,7 @@ class _Player:
             self.now += seconds
 
     def issue(self, graph: str, node: fx.Node) -> None:
-        info, group = OPS[node.target], _group_name(node)
+        info, group = OPS[node.target], node_group(node)
         if group not in self.sizes:
             self.sizes[group] = self.group_size(group)
         payload = sum(_nbytes(t) for t in node_payload(node))

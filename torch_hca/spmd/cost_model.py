@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from .collective_kinds import RULES, Kind
-from .errors import HCAError, OptionsError
+from ..errors import HCAError, OptionsError
 
 
 def ring_steps(kind: Kind, n: int) -> int:

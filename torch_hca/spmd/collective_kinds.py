@@ -39,8 +39,9 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._torch_private import group_rank, group_size
-from .errors import CheckError, CollectiveError
+from .._torch_private import group_rank, group_size
+from ..errors import CheckError, CollectiveError
+from .placements import letter
 
 c10d = torch.ops._c10d_functional
 Tensor = torch.Tensor
@@ -349,13 +350,6 @@ WAIT = c10d.wait_tensor.default
 # backward from these functions and the transpose pass checks a backward
 # collective against them: one definition of what a move sends and owes.
 
-def letter(p) -> str:
-    """A DTensor placement as the move table reads it: R, P or S<d>."""
-    if p.is_replicate():
-        return "R"
-    return "P" if p.is_partial() else f"S{p.dim}"
-
-
 def cotangent_letter(p, varying: bool = False) -> str:
     """The placement of the cotangent of a value laid out as `p`, as its consumers hand it back.
 
@@ -420,6 +414,17 @@ def payload_tensors(op, inputs, output) -> list:
     info = OPS[op]
     chosen = inputs if info.payload == "input" else output
     return list(chosen) if isinstance(chosen, (list, tuple)) else [chosen]
+
+
+def node_kind(node) -> Kind:
+    """The kind of a collective node of an FX graph."""
+    return OPS[node.target].kind
+
+
+def node_group(node) -> str:
+    """The process group a collective node runs on, bound by the op's schema (positional or keyword)."""
+    i = OPS[node.target].group_arg
+    return str(node.args[i] if i < len(node.args) else node.kwargs[node.target._schema.arguments[i].name])
 
 
 def node_payload(node) -> list:

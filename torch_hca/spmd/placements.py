@@ -1,0 +1,29 @@
+"""How a placement and a layout are written: one printer for the report, the solver and errors."""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+
+def placement_str(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Partial):
+        return f"P({p.reduce_op})"
+    return repr(p)
+
+
+def layout_str(layout) -> str:
+    """A layout, one placement per mesh dim: ``(S(0), R)``; ``-`` for none (not a DTensor)."""
+    if layout is None:
+        return "-"
+    return "(" + ", ".join(placement_str(p) for p in layout) + ")"
+
+
+def letter(p) -> str:
+    """A placement as the move table reads it: R, P or S<d>."""
+    if p.is_replicate():
+        return "R"
+    return "P" if p.is_partial() else f"S{p.dim}"
