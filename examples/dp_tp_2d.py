@@ -9,7 +9,8 @@ import os
 import torch
 
 import torch_hca as hca
-from torch_hca import Replicate, Shard, zoo
+from torch_hca import Replicate, Shard
+from torch_hca.tools import zoo
 
 
 def main():

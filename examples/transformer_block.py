@@ -11,7 +11,7 @@ import os
 import torch
 
 import torch_hca as hca
-from torch_hca import zoo
+from torch_hca.tools import zoo
 
 
 def main():

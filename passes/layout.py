@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from torch_hca import dtensor_ops, layout_solver
+from torch_hca import dtensor_ops, layout_candidates, layout_solver
 from torch_hca._torch_private import (
     RedistributionEvent, fake_dtensor_work, graph_arg_example, record_implicit_redistributions,
 )
@@ -39,7 +39,7 @@ from .infra import PassContext, PassResult
 
 def _execute(gm: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-    return layout_solver.call_node(gm, node, args, kwargs)
+    return layout_candidates.call_node(gm, node, args, kwargs)
 
 
 def _attribute(node: fx.Node, env, events: list[RedistributionEvent]) -> dict[fx.Node, tuple]:
@@ -93,7 +93,7 @@ class LayoutPass:
         model = ctx.options.costs(mesh.device_type)
         start = time.perf_counter()
         try:
-            ops = layout_solver.build_ops(gm, mesh, model, _storage_of)
+            ops = layout_candidates.build_ops(gm, mesh, model, _storage_of)
         except UnsupportedError as e:
             if ctx.options.strict:
                 raise
@@ -119,7 +119,7 @@ class LayoutPass:
         moved: dict[tuple[fx.Node, tuple], fx.Node] = {}
         decisions = []
         for op in ops:
-            if op.fixed and not (op.node.op == "call_function" and op.node.target in layout_solver.FIXED_READS):
+            if op.fixed and not (op.node.op == "call_function" and op.node.target in layout_candidates.FIXED_READS):
                 continue  # a parameter, an input, or the user's own redistribute
             chosen = solution.choice[op.node]
             for src, layout in zip(op.slots, chosen.inputs):

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import torch_hca as hca
 from torch_hca import collectives as C
-from torch_hca import zoo
+from torch_hca.tools import zoo
 from torch_hca.mesh import reset_current_mesh
 from torch_hca.options import Options
 

@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import torch_hca as hca
-from torch_hca import zoo
+from torch_hca.tools import zoo
 from torch_hca.spmd.collective_kinds import CollectiveCounter
 
 
@@ -374,12 +374,12 @@ def conv_data_parallel(trust_dtensor_conv_rule: bool) -> dict[str, Any]:
     """A data-parallel conv against one device; optionally trusting DTensor's conv rule with
     Partial inputs (the solver then reads the weight and bias as summands and each rank
     computes conv(x, W/n) + b/n), to show the refinement check stops that program."""
-    from torch_hca import layout_solver
+    from torch_hca import layout_candidates
     from torch_hca.errors import CheckError
 
     if trust_dtensor_conv_rule:
-        layout_solver.PARTIAL_OK.add("conv2d")
-        layout_solver.BATCH_SPLIT_ONLY.discard("conv2d")
+        layout_candidates.PARTIAL_OK.add("conv2d")
+        layout_candidates.BATCH_SPLIT_ONLY.discard("conv2d")
     try:
         case = Case(OneConv, {}, lambda ws: ((ws,), ("dp",)), Shard(0), Shard(0), (4, 3, 8, 8))
         mesh, ref, model, compiled = setup(case)
@@ -391,8 +391,8 @@ def conv_data_parallel(trust_dtensor_conv_rule: bool) -> dict[str, Any]:
         reads = [row["reads"] for g in hca.report(compiled).graphs for row in g.layout.get("values", []) if row["reads"]]
         return {"out_err": rel_err(full(out, mesh, case.outputs), ref(x)), "reads": reads}
     finally:
-        layout_solver.PARTIAL_OK.discard("conv2d")
-        layout_solver.BATCH_SPLIT_ONLY.add("conv2d")
+        layout_candidates.PARTIAL_OK.discard("conv2d")
+        layout_candidates.BATCH_SPLIT_ONLY.add("conv2d")
 
 
 class TpAllReduce(nn.Module):

@@ -44,7 +44,7 @@ Plans per model (``plan_spec(model_name, plan_name, world_size, model)``):
 * ``auto``: ``hca.plan(model, example_inputs, mesh)`` at run time (``plan=None``
   here), inputs and outputs ``Shard(0)``: each rank loads its own part of the batch
   and the solver chooses every parameter's storage.
-* ``2d``: ``torch_hca.zoo.two_d(MEGATRON[name])`` on a (dp=2, tp=2) mesh at world
+* ``2d``: ``torch_hca.tools.zoo.two_d(MEGATRON[name])`` on a (dp=2, tp=2) mesh at world
   size 4, inputs and outputs ``(Shard(0), Replicate())``.
 """
 
@@ -61,7 +61,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
-from torch_hca import zoo
+from torch_hca.tools import zoo
 
 VOCAB = 64
 SEQ = 16

@@ -121,7 +121,7 @@ FAMILIES: tuple[Family, ...] = (
            (Arg((B * S, V)), Arg((B * S,), index_high=V))),
 )
 # The zoo's own ops: hca::attention (grouped-query heads, an additive [b, 1, L, S] mask) and a
-# convolution, whose DTensor rule the layout solver restricts (layout_solver.BATCH_SPLIT_ONLY).
+# convolution, whose DTensor rule the layout solver restricts (layout_candidates.BATCH_SPLIT_ONLY).
 FAMILIES += (
     Family("hca_attention_gqa_mask", lambda q, k, v, m: hca_attention.sdpa(q, k, v, attn_mask=m, enable_gqa=True),
            (Arg((B, H, S, 2)), Arg((B, 2, S, 2)), Arg((B, 2, S, 2)), Arg((B, 1, S, S)))),

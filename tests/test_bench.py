@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 import torch_hca as hca
-from torch_hca.bench import ALTERNATIVES, BREAKDOWN, CONTESTANTS, MODELS, _expert, applies, specs, step_breakdown, \
-    traced_step
-from torch_hca.step_profile import StepProfile
+from torch_hca.tools.bench import ALTERNATIVES, BREAKDOWN, CONTESTANTS, MODELS, _expert, applies, specs, \
+    step_breakdown, traced_step
+from torch_hca.tools.step_profile import StepProfile
 
 KEYS = {"model", "contestant", "bytes_per_step", "analytic_min_bytes", "collectives", "step_time_s",
         "compile_time_s", "peak_mem_bytes", "max_grad_rel_err"}

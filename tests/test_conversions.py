@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import checkpoint_cases
 import torch_hca as hca
-from torch_hca import zoo
+from torch_hca.tools import zoo
 from torch_hca.plan import parameter_name, parameter_role
 from torch_hca.mesh import reset_current_mesh
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import torch_hca as hca
-from torch_hca import zoo
+from torch_hca.tools import zoo
 from torch_hca.mesh import reset_current_mesh
 from torch_hca.options import Options
 

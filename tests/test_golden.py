@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import torch_hca as hca
 from torch_hca._torch_private import clear_dtensor_sharding_cache
-from torch_hca import zoo
+from torch_hca.tools import zoo
 from torch_hca.mesh import reset_current_mesh
 
 _LIVENESS = re.compile(r";  (?:\w+ = )+None$")

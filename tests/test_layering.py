@@ -1,7 +1,8 @@
 """The layering is one-way (docs/theory.md, section 7): spmd <- core <- passes <- backends.
 
 The algebra in torch_hca/spmd/ imports nothing of torch_hca but itself and the
-base (`torch_hca.errors`, `torch_hca._torch_private`); modules in torch_hca/
+base (`torch_hca.errors`, `torch_hca._torch_private`); nothing but the command
+line (`torch_hca/__main__.py`) imports the tooling in torch_hca/tools/; modules in torch_hca/
 (the core) never import torch_hca.passes or torch_hca.backends; modules in
 passes/ never import torch_hca.backends. Read from the source with `ast`, so an
 import inside a function counts too.
@@ -100,6 +101,16 @@ def test_the_algebra_imports_nothing_above_it():
            for path in spmd for line, module in imported_modules("torch_hca", path)
            if (module == "torch_hca" or module.startswith("torch_hca."))
            and not any(module == m or module.startswith(m + ".") for m in SPMD_MAY_IMPORT)]
+    assert bad == []
+
+
+def test_the_compiler_never_imports_its_tooling():
+    """torch_hca/tools/ (bench, demo, zoo, profiling) sits on top: only the command line reaches it."""
+    core = [p for p in _sources("torch_hca") if "tools" not in p.relative_to(ROOT).parts and p.name != "__main__.py"]
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+           for folder, paths in (("torch_hca", core), ("passes", _sources("passes")), ("backends", _sources("backends")))
+           for path in paths for line, module in imported_modules(folder, path)
+           if module == "torch_hca.tools" or module.startswith("torch_hca.tools.")]
     assert bad == []
 
 

@@ -15,7 +15,8 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
 import torch_hca as hca
-from torch_hca import layout_solver, zoo
+from torch_hca import layout_candidates, layout_solver
+from torch_hca.tools import zoo
 
 from dist_cases import NormMLP
 
@@ -167,7 +168,7 @@ def test_exact_beats_or_ties_greedy_and_costs_agree(fake_pg):
     params = {n for n in g.graph.find_nodes(op="placeholder") if "parameters" in n.name}
     storage = lambda n: tuple(n.meta["example_value"].placements) if n in params else None
     with fake:
-        ops = layout_solver.build_ops(g, hca.current_mesh(), costs, storage)
+        ops = layout_candidates.build_ops(g, hca.current_mesh(), costs, storage)
     c = layout_solver.Costs(hca.current_mesh(), costs)
     exact = layout_solver.solve(ops, c)
     greedy = layout_solver.greedy(ops, c, 0.0)
@@ -177,12 +178,12 @@ def test_exact_beats_or_ties_greedy_and_costs_agree(fake_pg):
 
 
 def test_repeated_layers_are_probed_once(fake_pg):
-    layout_solver._PROBES.clear()
+    layout_candidates._PROBES.clear()
     compile_and_step(hca.sharded({}, inputs=Shard(0), outputs=Shard(0))(zoo.DeepMLP(16, 2)), torch.randn(8, 16))
-    two = len(layout_solver._PROBES)
+    two = len(layout_candidates._PROBES)
     torch._dynamo.reset()
     compile_and_step(hca.sharded({}, inputs=Shard(0), outputs=Shard(0))(zoo.DeepMLP(16, 8)), torch.randn(8, 16))
-    assert len(layout_solver._PROBES) == two  # six more layers, no new probe
+    assert len(layout_candidates._PROBES) == two  # six more layers, no new probe
 
 
 def test_plan_with_a_budget_finds_megatron_storage(fake_pg):

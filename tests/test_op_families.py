@@ -45,7 +45,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import op_family_cases as cases
-from torch_hca import layout_solver
+from torch_hca import layout_candidates
 from op_family_cases import BY_NAME, RTOL, Mismatch
 
 MESHES = [
@@ -131,11 +131,11 @@ def _offered(name: str, combo) -> bool:
 
     DTensor's convolution rule ignores the weight's placement (it gets most combinations
     wrong), so the solver reads a convolution's input whole or batch-split and its weight
-    and bias whole (`layout_solver.BATCH_SPLIT_ONLY`): only those are checked here.
+    and bias whole (`layout_candidates.BATCH_SPLIT_ONLY`): only those are checked here.
     """
-    if name not in layout_solver.BATCH_SPLIT_ONLY:
+    if name not in layout_candidates.BATCH_SPLIT_ONLY:
         return True
-    return all(layout_solver.offered_read(name, i, tuple(layout)) for i, layout in enumerate(combo))
+    return all(layout_candidates.offered_read(name, i, tuple(layout)) for i, layout in enumerate(combo))
 
 
 # -------------------------------------------- the checker itself can fail

@@ -17,7 +17,8 @@ def test_wheel_contains_passes_and_backends(tmp_path):
     )
     (wheel,) = tmp_path.glob("torch_hca-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for package, folder in (("torch_hca", "torch_hca"), ("torch_hca/passes", "passes"), ("torch_hca/backends", "backends")):
+    for package, folder in (("torch_hca", "torch_hca"), ("torch_hca/passes", "passes"), ("torch_hca/backends", "backends"),
+                            ("torch_hca/tools", "torch_hca/tools")):
         sources = {p.name for p in (ROOT / folder).glob("*.py")}
         assert sources and {f"{package}/{s}" for s in sources} <= names, f"{folder}/ missing from the wheel"
     assert not any(n.startswith(("passes/", "backends/", "tests/")) for n in names), "a bare top-level package leaked"

@@ -8,7 +8,7 @@ import weakref
 import torch
 
 import torch_hca as hca
-from torch_hca import zoo
+from torch_hca.tools import zoo
 
 
 def compile_mlp(**kwargs):

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torch_hca as hca
-from torch_hca import zoo
+from torch_hca.tools import zoo
 from torch_hca.schedule_check import ScheduleSummary, check_order
 
 aten = torch.ops.aten

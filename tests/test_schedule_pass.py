@@ -502,7 +502,7 @@ def test_exposed_communication_estimate_is_at_least_halved(fake_pg, storage):
     24 parameter tensors, 4 ranks; replicated weights, or Shard(0) weights gathered."""
     import torch_hca as hca
     from torch.distributed.tensor import Shard
-    from torch_hca import zoo
+    from torch_hca.tools import zoo
 
     plan = {} if storage == "data_parallel" else {"*": Shard(0)}
     model = hca.sharded(plan, inputs=Shard(0), outputs=Shard(0))(zoo.DeepMLP(256, 12))

@@ -27,7 +27,7 @@ from torch.distributed.tensor import Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import torch_hca as hca
-from torch_hca import zoo
+from torch_hca.tools import zoo
 from torch_hca import layout_solver
 from torch_hca.mesh import reset_current_mesh
 

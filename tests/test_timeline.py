@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import torch_hca as hca
-from torch_hca import zoo
+from torch_hca.tools import zoo
 from torch_hca.spmd.collective_kinds import Kind
 from torch_hca.spmd.cost_model import CostModel, cost_model
 from torch_hca.timeline import Timeline, estimate

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import torch_hca as hca
 from torch_hca import _torch_private as tp
-from torch_hca import zoo
+from torch_hca.tools import zoo
 
 aten = torch.ops.aten
 

@@ -26,10 +26,10 @@ import torch
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import torch_hca as hca
-from torch_hca import bench, demo, zoo
+from torch_hca.tools import bench, demo, zoo
 from torch_hca.options import Options
 from torch_hca.passes import infra
-from torch_hca.progress import Progress
+from torch_hca.tools.progress import Progress
 from torch_hca.report import WIDTH, GraphReport, readable_code
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,7 +103,7 @@ def test_env_vars_reach_the_log_and_tlparse_trace(tmp_path):
         import torch, torch.distributed as dist
         from torch.testing._internal.distributed.fake_pg import FakeStore
         import torch_hca as hca
-        from torch_hca import zoo
+        from torch_hca.tools import zoo
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
         hca.init_mesh()
         model = hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP(16, 32))

@@ -1,7 +1,7 @@
 """Command line: `python -m torch_hca demo` and `python -m torch_hca bench`.
 
 Both print their results on stdout and one progress line per step of work,
-with the elapsed time, on stderr (`torch_hca.progress`).
+with the elapsed time, on stderr (`torch_hca.tools.progress`).
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ def main(argv: list[str] | None = None) -> int:
                             "DIR/{model}_{contestant}_rank{r}.json and a table of where the step time goes")
     args = parser.parse_args(argv)
     if args.command == "bench":
-        from .bench import main as bench_main
+        from .tools.bench import main as bench_main
 
         split = lambda s: [v.strip() for v in s.split(",") if v.strip()]
         return bench_main(args.world_size, args.steps, split(args.models), split(args.contestants), args.json,
                           args.tiny, args.calibrate, recalibrate=args.recalibrate, rounds=args.rounds,
                           profile_dir=args.profile)
     if args.command == "demo":
-        from .demo import main as demo_main
+        from .tools.demo import main as demo_main
 
         return demo_main(args.world_size)
     return 2

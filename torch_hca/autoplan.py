@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate
 
-from . import layout_solver
+from . import layout_candidates, layout_solver
 from ._torch_private import fake_dtensor_work, graph_arg_example
 from .errors import HCAError, PlanError
 from .lifting import lift
@@ -70,7 +70,7 @@ def plan(
     lift(gm)  # the logical program as a DTensor program, parameter placeholders kept
     # Probing on fake DTensors; DTensor's sharding cache is cleared afterwards (even on errors).
     with fake_dtensor_work([n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]):
-        ops = layout_solver.build_ops(gm, mesh, costs, lambda node: None, free_storage=lambda node: node in names)
+        ops = layout_candidates.build_ops(gm, mesh, costs, lambda node: None, free_storage=lambda node: node in names)
     solution = layout_solver.solve(
         ops, layout_solver.Costs(mesh, costs), memory_weight=opts.memory_weight,
         memory_budget=memory_budget, time_limit_s=opts.solver_time_limit_s,

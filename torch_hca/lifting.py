@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._pytree import tree_leaves
 
-from . import attention, dtensor_ops, layout_solver
-from .layout_solver import op_name, source_line
+from . import attention, dtensor_ops, layout_candidates
+from .layout_candidates import op_name, source_line
 from ._torch_private import fake_dtensor_work
 from .errors import UnsupportedError
 from .logical import ENTER, LEAVE, decode, mesh_of
@@ -120,7 +120,7 @@ class Lifted:
             return
         args, kwargs = self._values(node)
         if not any(isinstance(a, DTensor) for a in tree_leaves((args, kwargs))):
-            self.env[node] = layout_solver.call_node(self.gm, node, args, kwargs)  # plain: every rank alike
+            self.env[node] = layout_candidates.call_node(self.gm, node, args, kwargs)  # plain: every rank alike
             return
         for src in node.all_input_nodes:
             if isinstance(self.env.get(src), torch.Tensor) and not isinstance(self.env[src], DTensor):
@@ -129,7 +129,7 @@ class Lifted:
             node.target = attention.sdpa
         args, kwargs = self._values(node)
         try:
-            value = layout_solver.call_node(self.gm, node, args, kwargs)
+            value = layout_candidates.call_node(self.gm, node, args, kwargs)
         except UnsupportedError:
             raise
         except Exception as e:  # DTensor has no rule for it: run it whole on every rank
@@ -247,7 +247,7 @@ class Lifted:
             graph.erase_node(u)
             self.erased.add(u)
             args, kwargs = self._values(new)
-            self._set(new, layout_solver.call_node(self.gm, new, args, kwargs))
+            self._set(new, layout_candidates.call_node(self.gm, new, args, kwargs))
         graph.erase_node(node)
 
     def _functionalize(self, node: fx.Node, target: fx.Node) -> Any:
@@ -282,7 +282,7 @@ class Lifted:
                 user.replace_input_with(target, node)
         self.decisions.append(f"{node.name}: in-place update of {target.name} made out of place")
         args, kwargs = self._values(node)
-        return layout_solver.call_node(self.gm, node, args, kwargs)
+        return layout_candidates.call_node(self.gm, node, args, kwargs)
 
 
 def _slice_of(whole, pieces, i: int) -> tuple[int, int]:
@@ -351,7 +351,7 @@ def _failing_backward(gm: fx.GraphModule, aten: str) -> fx.Node | None:
             try:
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: leaf(n.meta.get("example_value")))
                 inputs = [a for a in tree_leaves((args, kwargs)) if isinstance(a, DTensor) and a.requires_grad]
-                out = layout_solver.call_node(gm, node, args, kwargs)
+                out = layout_candidates.call_node(gm, node, args, kwargs)
                 if inputs and isinstance(out, DTensor) and out.requires_grad:
                     torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
             except Exception as e:  # noqa: BLE001 - looking for the one that fails like the program did

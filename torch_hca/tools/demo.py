@@ -1,11 +1,11 @@
 """`python -m torch_hca demo`: a GPT-style model, tensor parallel on 2 local gloo ranks.
 
-The model (`torch_hca.zoo.GPT`: causal attention, ``arange`` positions, the
+The model (`torch_hca.tools.zoo.GPT`: causal attention, ``arange`` positions, the
 output projection tied to the token embedding) is written for one device.
 The demo compiles it with backend "hca", prints the DTensor program and the
 collectives table, trains a few Adam steps on a next-token loss next to a
 single-device copy, and checks gradients and parameters against it. Progress
-lines with the elapsed time go to stderr (`torch_hca.progress`).
+lines with the elapsed time go to stderr (`torch_hca.tools.progress`).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import time
 
 import torch
 
+from ..launch import launch
+from ..mesh import init_mesh
+from ..plan import sharded
+from ..report import WIDTH, readable_code, report
 from . import zoo
-from .launch import launch
-from .mesh import init_mesh
-from .plan import sharded
 from .progress import Progress
-from .report import WIDTH, readable_code, report
 
 VOCAB, DIM, HEADS, HIDDEN, LAYERS, BATCH, SEQ, STEPS = 128, 128, 4, 512, 2, 2, 16, 5
 

@@ -21,8 +21,8 @@ import math
 
 from torch.profiler import ProfilerActivity, profile
 
-from ._torch_private import ProfiledEvent, profiled_events
-from .spmd.collective_kinds import Kind, bytes_per_rank
+from .._torch_private import ProfiledEvent, profiled_events
+from ..spmd.collective_kinds import Kind, bytes_per_rank
 
 # c10d op -> (its kind, the argument whose bytes are `bytes_per_rank`'s payload:
 # the full buffer for gathers and reductions, this rank's buffer for all_to_all).

@@ -1,0 +1,2 @@
+"""Tooling around the compiler: benchmarks, the demo, the model zoo, step profiling,
+progress lines; the compiler never imports it."""

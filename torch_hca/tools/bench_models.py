@@ -1,0 +1,220 @@
+"""The bench's models and contestants: what `python -m torch_hca bench` trains, and how
+each contestant builds its copy of a model (`torch_hca.tools.bench` has the overview).
+
+A `Spec` is a model with its storage plan, batches and loss; `applies` says which
+contestants run on it; `build` makes one contestant; `analytic_min` is the bytes per
+step of the model's textbook strategy, which the tables compare against.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+
+from ..plan import sharded, trace_over_dtensor
+from ..spmd.collective_kinds import Kind, bytes_per_rank
+from . import zoo
+
+CONTESTANTS = ("hca", "hca_noschedule", "hca_dtensor_layout", "hca_dp", "dtensor_eager", "dtensor_inductor",
+               "expert", "ddp", "fsdp2")
+MODELS = ("mlp", "block", "lm", "dp", "fsdp")
+LR = 1e-3
+# The other layouts hca could have chosen, each compiled by hca: `regret` is hca's step over the
+# fastest. The expert plans' storage is hca's plan on every tensor-parallel model (a test checks),
+# so "the expert storage under layout='dtensor'" is hca_dtensor_layout, not another contestant.
+ALTERNATIVES = ("hca_dtensor_layout", "hca_dp")
+# hca's contestants: (storage plan or None for the spec's, batch split, backend options).
+_HCA = {
+    "hca": (None, None, {}),
+    "hca_noschedule": (None, None, {"schedule": False}),
+    "hca_dtensor_layout": (None, None, {"layout": "dtensor"}),
+    "hca_dp": ({}, True, {}),
+}
+# The contestant each kind of model is measured against by hand (besides DTensor).
+_EXPERT = {"tp": "expert", "dp": "ddp", "fsdp": "fsdp2"}
+_SCHEDULE_KINDS = ("dp", "fsdp")
+
+
+def _square_loss(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return out.square().sum()
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    kind: str  # "tp", "dp" or "fsdp": the contestants that apply and the analytic minimum
+    build: Callable[[], nn.Module]
+    plan: dict
+    batch: Callable[[torch.Generator], torch.Tensor]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _square_loss
+    # The full batch's loss from the losses of its row shards: "sum" (their sum),
+    # "mean" (their mean, equal shards), or None (a batch split is not the same training).
+    split_loss: str | None = "sum"
+
+    def rows(self) -> int:
+        return self.batch(torch.Generator().manual_seed(0)).shape[0]
+
+
+def _randn(*shape):
+    return lambda g: torch.randn(shape, generator=g)
+
+
+def specs(tiny: bool = False) -> dict[str, Spec]:
+    """The bench models: full size, or tiny ones for a smoke test."""
+    d, h, b = (16, 32, 8) if tiny else (256, 1024, 32)
+    lm = dict(vocab=64, dim=32, heads=4, hidden=64, layers=1) if tiny else \
+        dict(vocab=512, dim=128, heads=4, hidden=512, layers=4)
+    bs, seq = (2, 8) if tiny else (8, 64)
+    depth = 3 if tiny else 12  # the dp and fsdp models' layers
+    return {
+        "mlp": Spec("mlp", "tp", lambda: zoo.MLP(d, h), zoo.MEGATRON_MLP, _randn(b, d)),
+        "block": Spec("block", "tp", lambda: zoo.TransformerBlock(d, 4 if tiny else 8, h), zoo.TP_BLOCK,
+                      _randn(max(bs // 2, 2), seq, d)),  # at least 2 rows: hca_dp splits them
+        "lm": Spec("lm", "tp", lambda: zoo.TinyLM(**lm), zoo.TP_LM,
+                   lambda g: torch.randint(0, lm["vocab"], (bs, seq), generator=g), zoo.lm_loss, "mean"),
+        # Enough rows that data parallelism beats gathering the batch and replicating the
+        # work (with few rows the layout solver would rather gather: docs/layout.md).
+        "dp": Spec("dp", "dp", lambda: zoo.DeepMLP(d, depth), {}, _randn(16 * b, d)),
+        # A batch larger than a layer's weights, so gathering the weights (FSDP) is the
+        # cheaper layout; with fewer rows the layout solver gathers activations instead.
+        "fsdp": Spec("fsdp", "fsdp", lambda: zoo.DeepMLP(d, depth), zoo.FSDP_PLAN, _randn(16 * b, d)),
+    }
+
+
+def applies(spec: Spec, contestant: str, world_size: int = 2) -> bool:
+    if contestant in _EXPERT.values():
+        return _EXPERT[spec.kind] == contestant
+    if contestant == "hca_dp":  # on the data-parallel model it is the hca contestant itself
+        return spec.kind != "dp" and spec.split_loss is not None and spec.rows() % world_size == 0
+    return contestant != "hca_noschedule" or spec.kind in _SCHEDULE_KINDS
+
+
+# ------------------------------------------------------------ expert plans
+
+def _local_heads_forward(self, x):
+    """zoo.Attention's forward as a tensor-parallel trainer writes it: local heads, -1 widths."""
+    b, s, d = x.shape
+    hd = d // self.global_heads
+    split = lambda t: t.view(b, s, -1, hd).transpose(1, 2)
+    q, k, v = split(self.wq(x)), split(self.wk(x)), split(self.wv(x))
+    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def _sequence_parallel_block(prefix: str) -> dict:
+    """Megatron sequence parallel: norms on sequence shards, all-gather in, reduce-scatter out."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+    )
+
+    # DTensors in (use_local_output=False, as torchtitan writes it): the q, k and v input
+    # gradients then sum as one Partial and are reduce-scattered once.
+    gather = lambda: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return {
+        f"{prefix}norm1": SequenceParallel(), f"{prefix}attn": gather(),
+        f"{prefix}attn.wq": ColwiseParallel(), f"{prefix}attn.wk": ColwiseParallel(),
+        f"{prefix}attn.wv": ColwiseParallel(), f"{prefix}attn.wo": RowwiseParallel(output_layouts=Shard(1)),
+        f"{prefix}norm2": SequenceParallel(), f"{prefix}mlp": gather(),
+        f"{prefix}mlp.fc1": ColwiseParallel(), f"{prefix}mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def _expert(model: nn.Module, spec: Spec, mesh) -> nn.Module:
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
+        SequenceParallel, parallelize_module,
+    )
+
+    if spec.name == "mlp":
+        return parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    for m in model.modules():
+        if isinstance(m, zoo.Attention):
+            m.global_heads = m.heads
+            m.forward = types.MethodType(_local_heads_forward, m)
+    if spec.name == "block":  # replicated [b, s, d] in and out, sequence shards inside
+        parallelize_module(model, mesh, PrepareModuleInputOutput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_input=True,
+            output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),)))
+        return parallelize_module(model, mesh, _sequence_parallel_block(""))
+    return parallelize_module(model, mesh, {  # lm: embedding and head replicated, as TP_LM
+        "embed": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
+        **_sequence_parallel_block("blocks.*."),
+        "norm": SequenceParallel(),
+        "head": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                   use_local_output=True),
+    })
+
+
+def _fsdp2(model: nn.Module, mesh) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+# ------------------------------------------------------------ one contestant, built
+
+@dataclass(frozen=True)
+class Built:
+    model: nn.Module  # whose parameters train
+    run: Callable  # what runs the forward
+    scale: float  # the loss scale that trains the same thing as one device on the full batch
+    split: bool  # whether each rank gets its rows of the batch
+
+
+def build(spec: Spec, contestant: str, ref: nn.Module, mesh, costs: dict) -> Built:
+    base, n = copy.deepcopy(ref), mesh.size()
+    if contestant in _HCA or contestant in ("dtensor_eager", "dtensor_inductor"):
+        plan, split, options = _HCA.get(contestant, (None, None, {}))
+        split = spec.kind != "tp" if split is None else split
+        io = Shard(0) if split else Replicate()
+        model = sharded(spec.plan if plan is None else plan, mesh=mesh, inputs=io, outputs=io)(base)
+        if contestant == "dtensor_inductor":
+            run = torch.compile(trace_over_dtensor(model))
+        elif contestant == "dtensor_eager":
+            run = model
+        else:
+            run = torch.compile(model, backend="hca", options={**options, **({"cost_model": costs} if costs else {})})
+        # Each rank's loss covers its rows; hca sums the ranks' gradients.
+        return Built(model, run, 1.0 / n if split and spec.split_loss == "mean" else 1.0, split)
+    if contestant == "expert":
+        model = _expert(base, spec, mesh)
+        return Built(model, model, 1.0, False)
+    # DDP and FSDP2 average gradients over ranks; each rank's loss sums its rows.
+    if contestant == "ddp":
+        model = nn.parallel.DistributedDataParallel(base)
+        return Built(model, model, float(n), True)
+    if contestant == "fsdp2":
+        model = _fsdp2(base, mesh)
+        return Built(model, model, float(n), True)
+    raise ValueError(f"unknown contestant {contestant!r}; choose from {', '.join(CONTESTANTS)}")
+
+
+# ------------------------------------------------------------ analytic minimum
+
+def analytic_min(spec: Spec, ref: nn.Module, x: torch.Tensor, n: int) -> tuple[float, str]:
+    params = sum(p.numel() * p.element_size() for p in ref.parameters())
+    if spec.kind == "dp":
+        return bytes_per_rank(Kind.ALL_REDUCE, params, n), "one all-reduce of all gradients"
+    if spec.kind == "fsdp":
+        return (bytes_per_rank(Kind.ALL_GATHER, params, n) + bytes_per_rank(Kind.REDUCE_SCATTER, params, n),
+                "all-gather every parameter once + reduce-scatter every gradient")
+    if spec.name == "mlp":
+        # The input takes no gradient and nothing upstream has parameters: backward needs no collective.
+        out = x.numel() * x.element_size()
+        return (bytes_per_rank(Kind.ALL_REDUCE, out, n),
+                "1 all-reduce of the output (fwd); bwd needs none: input has no grad")
+    blocks = len(ref.blocks) if spec.name == "lm" else 1
+    act = x.numel() * 4 * (ref.embed.embedding_dim if spec.name == "lm" else 1)
+    # Per block: attention and MLP each one all-reduce of [b,s,d] forward and one backward
+    # (the norms, and the embedding in the LM, upstream need the input gradient).
+    return (4 * blocks * bytes_per_rank(Kind.ALL_REDUCE, act, n),
+            f"{blocks} block(s) x 2 sub-blocks x (1 fwd + 1 bwd) all-reduce of [b,s,d] "
+            "(or reduce-scatter + all-gather)")

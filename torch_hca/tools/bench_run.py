@@ -1,0 +1,261 @@
+"""Running the bench on each rank: every contestant's first step (checked against a single
+device), its timed steps in round-robin rounds, its profiled step(s); then the ranks'
+records merged, with hca's step-time ratios and its regret over the other layouts."""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .._torch_private import ddp_bucket_bytes
+from ..calibrate import cached_calibrate
+from ..mesh import init_mesh
+from ..report import report
+from .bench_models import ALTERNATIVES, CONTESTANTS, LR, Spec, analytic_min, applies, build, specs
+from .bench_profile import traced_step
+from .progress import Progress
+from .step_profile import StepProfile
+
+
+# ------------------------------------------------------------ one contestant, measured
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _grad_err(model: nn.Module, ref_grads: dict) -> float:
+    errs = [_rel(_full(p.grad), ref_grads[name.removeprefix("module.")]) for name, p in model.named_parameters()]
+    return max(errs)
+
+
+def _resident_bytes(model: nn.Module) -> int:
+    """Bytes kept across steps: this rank's parameters (shards) and DDP's gradient buckets."""
+    local = lambda p: p.to_local() if isinstance(p, DTensor) else p
+    total = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        total += ddp_bucket_bytes(model)
+    return total
+
+
+class Contestant:
+    """One contestant on one model: built, first step (compile, gradient check), timed
+    steps in rounds, then the profiled step(s); `rec` collects what each part measures."""
+
+    def __init__(self, spec: Spec, name: str, ref: nn.Module, mesh, costs: dict):
+        n, rank = mesh.size(), dist.get_rank()
+        self.spec, self.mesh = spec, mesh
+        self.rec = {"model": spec.name, "contestant": name, "world_size": n, "notes": []}
+        self.built = build(spec, name, ref, mesh, costs)
+        self.opt = torch.optim.SGD(self.built.model.parameters(), lr=LR)
+        self.local = (lambda x: x.chunk(n)[rank]) if self.built.split else (lambda x: x)
+        self.times: list[float] = []
+
+    def step(self, x: torch.Tensor, ref_grads: dict | None = None) -> None:
+        x = self.local(x)
+        self.spec.loss(self.built.run(x), x).mul(self.built.scale).backward()
+        if ref_grads is not None:
+            self.rec["max_grad_rel_err"] = _grad_err(self.built.model, ref_grads)
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def first(self, x: torch.Tensor, ref_grads: dict) -> None:
+        t0 = time.perf_counter()
+        self.step(x, ref_grads)
+        self.rec["first_step_s"] = time.perf_counter() - t0
+
+    def timed(self, batches: list) -> None:
+        """One round: each step starts after a barrier."""
+        times = []
+        for x in batches:
+            dist.barrier()
+            t0 = time.perf_counter()
+            self.step(x)
+            times.append(time.perf_counter() - t0)
+        self.times += times
+        self.rec.setdefault("round_step_times_s", []).append(statistics.median(times))
+
+    def finish(self, x: torch.Tensor, trace_path: str | None) -> dict:
+        rec = self.rec
+        rec["step_time_s"], rec["step_times_s"] = statistics.median(self.times), self.times
+        rec["compile_time_s"] = max(rec["first_step_s"] - rec["step_time_s"], 0.0)
+        dist.barrier()
+        cuda = self.mesh.device_type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        with StepProfile(rec["world_size"]) as prof:
+            self.step(x)
+        peak = torch.cuda.max_memory_allocated() if cuda else _resident_bytes(self.built.model) + prof.peak_alloc_bytes
+        rec.update(bytes_per_step=prof.wire_bytes, collectives=prof.collectives, collectives_by_kind=prof.by_kind,
+                   peak_mem_bytes=peak)
+        rec["notes"] += list(dict.fromkeys(prof.notes)) + [f"uncounted bytes of {k} x{v}" for k, v in prof.unknown.items()]
+        if trace_path:
+            dist.barrier()
+            rec["profile"] = traced_step(lambda: self.step(x), trace_path)
+        if rec["contestant"].startswith("hca"):
+            rec.update(_hca_extras(self.built.run))
+        return rec
+
+
+def _hca_extras(compiled) -> dict:
+    """What hca's own report says: its graphs' collective bytes and, when the report
+    has a timeline, the estimated exposed communication before and after scheduling."""
+    rep = report(compiled)
+    out = {"report_bytes_per_step": sum(c.wire_bytes for c in rep.collectives),
+           "exposed_comm_est_s": None, "exposed_comm_est_unscheduled_s": None, "est_step_s": None}
+    if hasattr(rep, "timeline"):
+        tl = rep.timeline()
+        out.update(exposed_comm_est_s=tl.after.exposed_comm_s, exposed_comm_est_unscheduled_s=tl.before.exposed_comm_s,
+                   est_step_s=tl.after.total_s)
+    return out
+
+
+# ------------------------------------------------------------ one model, then every model on this rank
+
+def _failure(e: BaseException) -> str:
+    """The exception and what it wraps (Dynamo's BackendCompilerFailed wraps the backend's error)."""
+    chain = [e]
+    while (inner := getattr(chain[-1], "inner_exception", None) or chain[-1].__cause__) is not None:
+        chain.append(inner)
+    told = next((x for x in chain[1:] if str(x).strip()), e)  # the first wrapped one with a message
+    first = next(line.strip() for line in str(told).splitlines() if line.strip()) if str(told).strip() else ""
+    names = " <- ".join(type(x).__name__ for x in chain)
+    return f"{names}: {first}"[:400]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    steps: int = 5  # timed steps per round
+    tiny: bool = False
+    calibrate: bool = False  # hca's cost model from hca.calibrate(cache=True): cached, else measured
+    recalibrate: bool = False  # measure it even when cached (implies calibrate)
+    rounds: int = 1  # round-robin rounds of `steps` timed steps per contestant
+    profile_dir: str | None = None  # write a Chrome trace of one more step per contestant and rank
+
+
+_FAILED_KEYS = ("bytes_per_step", "collectives", "step_time_s", "compile_time_s", "peak_mem_bytes", "max_grad_rel_err")
+
+
+def _fail(rec: dict, e: BaseException, progress: Progress) -> None:
+    """Make `rec` a failed row; the other ranks failed the same way (every rank runs the same program)."""
+    msg = _failure(e)
+    progress(f"{rec['model']}: {rec['contestant']} failed: {msg[:80]}")
+    rec.update(failed=msg, **dict.fromkeys(_FAILED_KEYS))
+    rec["notes"].append(f"failed: {msg}")
+    dist.barrier()
+
+
+def _reference(spec: Spec, batches_needed: int) -> tuple[nn.Module, dict, list]:
+    """The model (seed 0), the batches (seed 1), and a single device's gradients on the first batch."""
+    torch.manual_seed(0)
+    ref = spec.build()
+    gen = torch.Generator().manual_seed(1)
+    batches = [spec.batch(gen) for _ in range(batches_needed)]
+    ref_copy = copy.deepcopy(ref)
+    spec.loss(ref_copy(batches[0]), batches[0]).backward()
+    return ref, {k: p.grad.clone() for k, p in ref_copy.named_parameters()}, batches
+
+
+def _run_model(spec: Spec, contestants: list, cfg: RunConfig, mesh, costs: dict, progress: Progress) -> list:
+    n, rank = dist.get_world_size(), dist.get_rank()
+    progress(f"{spec.name}: single-device reference ...")
+    ref, ref_grads, batches = _reference(spec, cfg.steps + 2)  # first step, timed steps, profiled step
+    amin, why = analytic_min(spec, ref, batches[0], n)
+    records, live = [], []
+    torch._dynamo.reset()
+    for c in (c for c in contestants if applies(spec, c, n)):
+        progress(f"{spec.name}: {c} ...")
+        rec = {"model": spec.name, "contestant": c, "world_size": n, "notes": []}
+        try:
+            entry = Contestant(spec, c, ref, mesh, costs)
+            rec = entry.rec
+            entry.first(batches[0], ref_grads)
+            live.append(entry)
+        except Exception as e:  # noqa: BLE001 - a contestant that fails is reported, not fatal
+            _fail(rec, e, progress)
+        rec["analytic_min_bytes"], rec["analytic_min_why"] = amin, why
+        records.append(rec)
+    for r in range(cfg.rounds):
+        if cfg.rounds > 1:
+            progress(f"{spec.name}: timed round {r + 1}/{cfg.rounds}")
+        for entry in list(live):
+            try:
+                entry.timed(batches[1:-1])
+            except Exception as e:  # noqa: BLE001
+                live.remove(entry)
+                _fail(entry.rec, e, progress)
+    for entry in live:
+        c = entry.rec["contestant"]
+        path = os.path.join(cfg.profile_dir, f"{spec.name}_{c}_rank{rank}.json") if cfg.profile_dir else None
+        try:
+            entry.finish(batches[-1], path)
+        except Exception as e:  # noqa: BLE001
+            _fail(entry.rec, e, progress)
+    return records
+
+
+def run_rank(models: list, contestants: list, cfg: RunConfig, since: float | None = None) -> list:
+    mesh = init_mesh()
+    progress = Progress("bench", since, enabled=dist.get_rank() == 0)
+    # hca's cost model in this run: rank 0's calibrated figures (cached or measured), or {} for the defaults.
+    costs, source = {}, "defaults"
+    if cfg.calibrate or cfg.recalibrate:
+        progress("calibrating the cost model on the ranks ..." if cfg.recalibrate else
+                 "cost model: the cached calibration, else calibrating on the ranks ...")
+        costs, cached = cached_calibrate(refresh=cfg.recalibrate)
+        source = "cached" if cached else "measured"
+    records = []
+    # Contestants of one model live side by side: each compiles into its own cache entry
+    # (the backend is part of the guard). Shapes stay static as in a fresh process: hca_dp's
+    # half batch must not make Dynamo recompile the other contestants with dynamic shapes.
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=4 * len(CONTESTANTS)):
+        for name in models:
+            for rec in _run_model(specs(cfg.tiny)[name], contestants, cfg, mesh, costs, progress):
+                if rec["contestant"].startswith("hca"):
+                    rec["cost_model"], rec["cost_model_source"] = dict(costs) or "defaults", source
+                records.append(rec)
+    return records
+
+
+# ------------------------------------------------------------ merging the ranks' records
+
+def merge(per_rank: list) -> list:
+    """Rank 0's records, with the worst error, memory and times over the ranks, and hca's step-time ratios."""
+    merged = []
+    for i, rec in enumerate(per_rank[0]):
+        rec = dict(rec)
+        for key in ("max_grad_rel_err", "peak_mem_bytes", "step_time_s", "compile_time_s", "first_step_s"):
+            vals = [r[i][key] for r in per_rank if r[i].get(key) is not None]
+            rec[key] = max(vals) if vals else None
+        merged.append(rec)
+    for model in dict.fromkeys(r["model"] for r in merged):
+        rows = [r for r in merged if r["model"] == model]
+        hca_t = next((r["step_time_s"] for r in rows if r["contestant"] == "hca"), None)
+        for r in rows:
+            t = r["step_time_s"]
+            r["hca_step_time_ratio"] = hca_t / t if hca_t and t else None
+        for r in rows:
+            if r["contestant"] == "hca":
+                r["step_time_ratio_vs"] = {o["contestant"]: o["hca_step_time_ratio"] for o in rows if o is not r}
+                r.update(_regret(r, rows))
+    return merged
+
+
+def _regret(hca: dict, rows: list) -> dict:
+    """hca's step time over the fastest of the other layouts it could have chosen (> 1: one was faster)."""
+    alts = {r["contestant"]: r["step_time_s"] for r in rows if r["contestant"] in ALTERNATIVES and r["step_time_s"]}
+    if not hca["step_time_s"] or not alts:
+        return {"regret": None, "regret_vs": None, "regret_alternatives_s": alts}
+    best = min(alts, key=alts.get)
+    return {"regret": hca["step_time_s"] / alts[best], "regret_vs": best, "regret_alternatives_s": alts}

@@ -1,0 +1,146 @@
+"""The bench's tables: one per model (with the fewest-bytes and regret lines), the
+schedule on/off table, the --profile breakdown table, and the footnotes that say how
+each column is measured."""
+
+from __future__ import annotations
+
+from .bench_profile import BREAKDOWN
+
+
+def _fmt_bytes(b) -> str:
+    if b is None:
+        return "n/a"
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if b >= scale:
+            return f"{b / scale:.1f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _fmt(value, spec: str, scale: float = 1.0) -> str:
+    return "n/a" if value is None else format(value * scale, spec)
+
+
+_HEAD = ("contestant", "bytes/step", "x min", "coll/step", "step ms", "hca/this", "compile s", "peak mem",
+         "grad rel err")
+
+
+def _row(r: dict, amin: float, mark) -> tuple:
+    if r.get("failed"):
+        return (r["contestant"],) + ("n/a " + mark(f"{r['model']}/{r['contestant']} failed: {r['failed']}"),) * 8
+    b = r["bytes_per_step"]
+    extra = "".join(" " + mark(f"{r['model']}/{r['contestant']}: {note}") for note in r["notes"])
+    return (
+        r["contestant"], _fmt_bytes(b) + extra, _fmt(b / amin if amin else None, ".2f"), _fmt(r["collectives"], ".0f"),
+        _fmt(r["step_time_s"], ".2f", 1e3), _fmt(r["hca_step_time_ratio"], ".2f"), _fmt(r["compile_time_s"], ".2f"),
+        _fmt_bytes(r["peak_mem_bytes"]), _fmt(r["max_grad_rel_err"], ".1e"),
+    )
+
+
+def _aligned(table: list) -> list[str]:
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    return ["  ".join(v.rjust(w) if j else v.ljust(w) for j, (v, w) in enumerate(zip(row, widths))) for row in table]
+
+
+def _fewest_bytes(rows: list) -> list[str]:
+    """One line: are hca's bytes the fewest of the model's contestants?"""
+    counted = [r for r in rows if r.get("bytes_per_step") is not None]
+    hca = next((r for r in counted if r["contestant"] == "hca"), None)
+    others = [r for r in counted if not r["contestant"].startswith("hca")]
+    if hca is None or not others:
+        return []
+    best = min(others, key=lambda r: r["bytes_per_step"])
+    verdict = "fewest" if hca["bytes_per_step"] <= best["bytes_per_step"] else "NOT the fewest"
+    return [f"hca bytes/step {_fmt_bytes(hca['bytes_per_step'])}: {verdict} (best other: {best['contestant']}, "
+            f"{_fmt_bytes(best['bytes_per_step'])})"]
+
+
+def _regret_line(rows: list) -> list[str]:
+    hca = next((r for r in rows if r["contestant"] == "hca"), None)
+    if hca is None or hca.get("regret") is None:
+        return []
+    alts = ", ".join(f"{c} {1e3 * t:.2f}" for c, t in hca["regret_alternatives_s"].items())
+    return [f"regret {hca['regret']:.2f}: hca {1e3 * hca['step_time_s']:.2f} ms / {hca['regret_vs']} "
+            f"{1e3 * hca['regret_alternatives_s'][hca['regret_vs']]:.2f} ms, the fastest other layout "
+            f"(ms: {alts}); above 1, a layout hca could have chosen was faster"]
+
+
+def _profile_table(records: list) -> list[str]:
+    """Where each contestant's profiled step went (rank 0's trace)."""
+    rows = [r for r in records if r.get("profile")]
+    if not rows:
+        return []
+    table = [("model", "contestant", "step ms", "compute", "collectives", "bucket copies", "other")]
+    for r in rows:
+        p = r["profile"]
+        share = lambda k: f"{1e3 * p[k + '_s']:.2f} ({100 * p[k + '_s'] / p['step_s']:.0f}%)" if p["step_s"] else "n/a"
+        table.append((r["model"], r["contestant"], f"{1e3 * p['step_s']:.2f}", *(share(k) for k in BREAKDOWN)))
+    return ["== where the step time goes: one more profiled step, rank 0 (ms, share of the step); "
+            "other = Python, FX, Dynamo, autograd, Inductor's C++ kernels ==", *_aligned(table), ""]
+
+
+def _schedule_table(records: list) -> list[str]:
+    table = [("model", "exposed comm est. off -> on (ms)", "step ms off", "step ms on", "on/off")]
+    for model in dict.fromkeys(r["model"] for r in records):
+        on = next((r for r in records if r["model"] == model and r["contestant"] == "hca"), None)
+        off = next((r for r in records if r["model"] == model and r["contestant"] == "hca_noschedule"), None)
+        if on is None or off is None or on.get("failed") or off.get("failed"):
+            continue
+        est = off.get("exposed_comm_est_s"), on.get("exposed_comm_est_s")
+        est_txt = "n/a (no timeline in this build)" if None in est else f"{1e3 * est[0]:.3f} -> {1e3 * est[1]:.3f}"
+        ratio = on["step_time_s"] / off["step_time_s"] if on["step_time_s"] and off["step_time_s"] else None
+        table.append((model, est_txt, _fmt(off["step_time_s"], ".2f", 1e3), _fmt(on["step_time_s"], ".2f", 1e3),
+                      _fmt(ratio, ".2f")))
+    if len(table) == 1:
+        return []
+    return ["== schedule on/off: hca (schedule=True) vs hca_noschedule (schedule=False) ==", *_aligned(table), ""]
+
+
+FOOTNOTES = [
+    "bytes/step: bytes one rank sends per training step (forward + backward + optimizer step) in a ring "
+    "implementation of each logical collective (all-reduce 2(n-1)/n S, all-gather and reduce-scatter (n-1)/n S), "
+    "read from the c10d ops (c10d::allreduce_, c10d::_allgather_base_, ...) of one profiled step after the timed "
+    "ones: every contestant is counted the same way, compiled graphs, DDP buckets and FSDP2 included. gloo itself "
+    "runs a reduce-scatter as a full all-reduce; that is not counted. All groups are taken to span the world.",
+    "x min: bytes/step over the analytic minimum of the model's textbook strategy (in its header: Megatron "
+    "activations for tensor parallel, gradients for data parallel, weights and gradients for FSDP). A contestant "
+    "may run the same storage differently (hca's layout solver may gather small weights instead of reducing "
+    "activations, or move activations instead of FSDP weights), so it can land above or below 1. "
+    "coll/step: c10d collectives issued in that step, a coalesced one counted once.",
+    "step ms: median of the timed steps of every round (after 1 warm-up step), forward + backward + SGD step, "
+    "each step started after a barrier, slowest rank's median; with --rounds K the contestants take turns, "
+    "--steps steps each, K times; hca/this: hca's step time over this contestant's "
+    "(< 1: hca is faster). compile s: first step minus the median step (for eager contestants, first-call "
+    "set-up such as DDP's buckets or FSDP2's lazy init).",
+    "peak mem: what lives across steps (this rank's parameters or parameter shards, and DDP's gradient buckets; "
+    "SGD keeps no state) plus the highest running total of CPU allocator allocations minus frees during the "
+    "profiled step (activations, gradients, communication buffers, Inductor's buffers: all go through the CPU "
+    "allocator), max over ranks. Not counted: gloo's internal transport buffers and Python objects; frees of "
+    "memory allocated before the step are not subtracted (so this errs high). A CUDA mesh would read "
+    "torch.cuda.max_memory_allocated instead (not exercised: the bench runs on CPU gloo ranks).",
+    "grad rel err: max over parameters of |g - g_ref| / |g_ref| after the first step vs a single-device run "
+    "on the full batch.",
+    "regret: hca's step ms over the fastest of the other layouts hca could have chosen, each compiled by hca "
+    "(hca_dtensor_layout: DTensor's per-op choices on the same storage; hca_dp: replicated, batch split); "
+    "the expert plans' storage is hca's plan here, so it adds no contestant.",
+]
+
+
+def tables(records: list) -> str:
+    lines: list[str] = []
+    foot: list[str] = []
+
+    def mark(text: str) -> str:
+        if text not in foot:
+            foot.append(text)
+        return f"[{len(FOOTNOTES) + foot.index(text) + 1}]"
+
+    for model in dict.fromkeys(r["model"] for r in records):
+        rows = [r for r in records if r["model"] == model]
+        amin = rows[0]["analytic_min_bytes"]
+        lines.append(f"== {model} (world size {rows[0]['world_size']}; analytic minimum {_fmt_bytes(amin)}/step/rank: "
+                     f"{rows[0]['analytic_min_why']}) ==")
+        lines += _aligned([_HEAD] + [_row(r, amin, mark) for r in rows]) + _fewest_bytes(rows) + _regret_line(rows)
+        lines.append("")
+    lines += _schedule_table(records) + _profile_table(records)
+    lines += [f"[{i + 1}] {t}" for i, t in enumerate(FOOTNOTES + foot)]
+    return "\n".join(lines)
