@@ -109,6 +109,8 @@ def test_timed_steps_come_in_rounds_and_each_model_has_a_regret(run):
         assert hca_rec["regret_alternatives_s"] == alts and alts
         assert hca_rec["regret"] == pytest.approx(hca_rec["step_time_s"] / min(alts.values()))
     assert stdout.count("\nregret ") == len(MODELS)
+    # The cost model's prediction of hca's step, next to the clock, once per model.
+    assert stdout.count("\npredicted ") == len(MODELS) and "the cost model is off by" in stdout
 
 
 def test_profile_writes_a_trace_per_contestant_and_rank_and_a_breakdown(run):

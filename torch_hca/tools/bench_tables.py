@@ -64,6 +64,16 @@ def _regret_line(rows: list) -> list[str]:
             f"(ms: {alts}); above 1, a layout hca could have chosen was faster"]
 
 
+def _prediction_line(rows: list) -> list[str]:
+    """One line: hca's step as its cost model predicted it (the scheduled timeline) against the clock."""
+    hca = next((r for r in rows if r["contestant"] == "hca"), None)
+    if hca is None or not hca.get("est_step_s") or not hca.get("step_time_s"):
+        return []
+    est, measured = hca["est_step_s"], hca["step_time_s"]
+    return [f"predicted {1e3 * est:.2f} ms vs measured {1e3 * measured:.2f} ms: the cost model is off by "
+            f"{100 * (est / measured - 1):+.0f}% on hca's step"]
+
+
 def _profile_table(records: list) -> list[str]:
     """Where each contestant's profiled step went (rank 0's trace)."""
     rows = [r for r in records if r.get("profile")]
@@ -139,7 +149,7 @@ def tables(records: list) -> str:
         amin = rows[0]["analytic_min_bytes"]
         lines.append(f"== {model} (world size {rows[0]['world_size']}; analytic minimum {_fmt_bytes(amin)}/step/rank: "
                      f"{rows[0]['analytic_min_why']}) ==")
-        lines += _aligned([_HEAD] + [_row(r, amin, mark) for r in rows]) + _fewest_bytes(rows) + _regret_line(rows)
+        lines += _aligned([_HEAD] + [_row(r, amin, mark) for r in rows]) + _fewest_bytes(rows) + _regret_line(rows) + _prediction_line(rows)
         lines.append("")
     lines += _schedule_table(records) + _profile_table(records)
     lines += [f"[{i + 1}] {t}" for i, t in enumerate(FOOTNOTES + foot)]
