@@ -317,3 +317,30 @@ def test_quiet_cpu_alltoall_fallback_skips_only_that_warning(fake_pg):
         assert ["alltoall" in r.getMessage() for r in handler.records] == [True]
     finally:
         logger.removeHandler(handler)
+
+
+def test_origin_tags_reach_the_forward_and_backward_graphs():
+    """AOTAutograd copies node.meta["custom"] to what a node traces to, forward and backward (seq_nr)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, example_inputs):
+            graphs[name] = gm
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                tp.set_origin(node, f"origin_{node.name}")
+        return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))(gm, example_inputs)
+
+    torch._dynamo.reset()
+    w = torch.randn(4, 4, requires_grad=True)
+    torch.compile(lambda x: torch.tanh(x @ w), backend=backend)(torch.randn(2, 4)).sum().backward()
+    tagged = lambda g: {tp.origin_of(n) for n in g.graph.nodes if n.op == "call_function"} - {None}
+    assert len(tagged(graphs["forward"])) == 2 and tagged(graphs["backward"]) == tagged(graphs["forward"])
+    assert tp.origin_of(next(iter(graphs["forward"].graph.find_nodes(op="placeholder")))) is None
