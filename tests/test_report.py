@@ -33,6 +33,7 @@ def test_report_artifacts(fake_pg):
     assert [(r.costed, r.emitted) for r in g.redistributions] == [
         ("local", "local"), ("all_reduce@0", "all_reduce@0")]
     assert "all_reduce@0  all_reduce@0" in rep.moves() and "== moves ==" in str(rep)
+    assert " fc2.bias " in rep.moves()  # the value as its module path, not Dynamo's l_self_modules_... name
     assert set(g.parameters) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
     assert g.parameters["fc2.weight"]["placements"] == "(S(1))"
     (c,) = rep.collectives

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import textwrap
 import weakref
 from dataclasses import dataclass, field
@@ -248,8 +249,8 @@ class CompileReport:
         """Every explicit move: value, layouts, what the solver costed next to what was emitted, and why."""
         rows = [("graph", "node", "value", "src -> dst", "costed", "emitted", "reason")]
         for position, g in enumerate(self.graphs):
-            rows += [(str(position), r.node, r.value, f"{r.src} -> {r.dst}", r.costed or "-", r.emitted or "-", r.reason)
-                     for r in g.redistributions]
+            rows += [(str(position), r.node, _dotted(r.value), f"{r.src} -> {r.dst}", r.costed or "-", r.emitted or "-",
+                      r.reason) for r in g.redistributions]
         if len(rows) == 1:
             return "(no moves in the DTensor programs)"
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -368,6 +369,16 @@ class CompileReport:
             lines = [f"{p['parameter']} {p['placements']} {p['bytes']} bytes" for p in pending]
             parts.append("== gradients left Partial, reduced outside the graphs on first use ==\n" + "\n".join(lines))
         return "\n\n".join(parts)
+
+
+def _dotted(name: str) -> str:
+    """Dynamo's name of a module attribute as people write it: ``l_self_modules_fc2_parameters_bias_`` -> ``fc2.bias``."""
+    if not name.startswith("l_self_"):
+        return name
+    path = name[len("l_self_"):].rstrip("_")
+    for kind in ("modules", "parameters", "buffers"):  # "<kind>_" opens each step of the path
+        path = re.sub(rf"(^|_){kind}_", lambda m: "." if m.group(1) else "", path)
+    return path
 
 
 def _wrap_last_column(row: tuple[str, ...], widths: list[int], width: int) -> list[str]:
