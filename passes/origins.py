@@ -8,7 +8,7 @@ names the move (or op) whose forward issued it or whose backward it belongs to,
 and the transpose pass looks its partner up instead of guessing.
 
 The pass also records, per origin, the layouts it reads and writes (one letter
-per mesh dimension, `collective_kinds.letter`): with the move table
+per mesh dimension, `spmd.placements.letter`): with the move table
 (`collective_kinds.backward_kinds`) they say which collectives the backward of
 that node may issue on each mesh dimension.
 """
@@ -27,10 +27,6 @@ from torch_hca.spmd.placements import letter
 
 from .infra import PassContext, PassResult
 
-# What the layout and roles passes insert: a node that changes a value's layout and nothing else.
-MOVES = {dtensor_ops.redistribute, dtensor_ops.reduce_gradient_eagerly}
-
-
 @dataclass(frozen=True)
 class Origin:
     """One node of the DTensor program, as the joint graph's collectives refer to it."""
@@ -39,7 +35,6 @@ class Origin:
     op: str
     inputs: tuple[tuple[str, ...], ...]  # each DTensor input's layout, a letter per mesh dim
     output: tuple[str, ...] | None       # the layout it writes (None: not a DTensor)
-    move: bool                           # inserted by the layout or roles pass, or the user's redistribute
     module: str = ""                     # the module path it came from, if Dynamo recorded one
     local_view: bool = False             # a traced autograd.Function (hca.collectives): its own backward
 
@@ -126,14 +121,13 @@ class OriginPass:
                         set_origin(inner, node.name)
             value = node.meta.get("example_value")
             inputs = tuple(lay for a in node.all_input_nodes if (lay := _layout(a.meta.get("example_value"))) is not None)
-            move = node.target in MOVES or (node.op == "call_method" and node.target == "redistribute")
             if node.target is dtensor_ops.to_output:
                 output = tuple(letter(p) for p in node.args[1])
             elif node.target is dtensor_ops.from_local:
                 output = tuple(letter(p) for p in node.args[2])
             else:
                 output = _layout(value)
-            origins.nodes[node.name] = Origin(node.name, _op(node), inputs, output, move, _module(node),
+            origins.nodes[node.name] = Origin(node.name, _op(node), inputs, output, _module(node),
                                               local_view=bool(_bodies(gm, node)))
             mesh = getattr(value, "device_mesh", None)
             if mesh is not None and not origins.dims:

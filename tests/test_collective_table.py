@@ -238,6 +238,6 @@ def test_a_nested_shard_counts_the_gather_and_recut_of_its_outer_dim():
     from torch_hca.passes.origins import Origin
 
     # (S1, S1) -> (S1, R): the inner cut of tensor dim 1 changes, so DTensor gathers and re-cuts dim 0's too.
-    origin = Origin("m", "redistribute", (("S1", "S1"),), ("S1", "R"), move=True)
+    origin = Origin("m", "redistribute", (("S1", "S1"),), ("S1", "R"))
     assert ("S1", "R") in origin.transition(0) and _AG in origin.backward_kinds(0)
     assert origin.transition(1) == [("S1", "R")]

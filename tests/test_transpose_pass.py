@@ -178,7 +178,7 @@ def test_a_gather_pairs_with_the_backward_scatter_of_the_same_move(fake_pg):
 
     gm = joint(fn, (2, 3), (8, 3))
     tag_all(gm, "move")
-    labels = run(gm, origins_1d(Origin("move", "redistribute", (("S0",),), ("R",), move=True)), strict=True)
+    labels = run(gm, origins_1d(Origin("move", "redistribute", (("S0",),), ("R",))), strict=True)
     (fw,) = [k for k in labels if k.startswith("all_gather")]
     (bw,) = [k for k in labels if k.startswith("reduce_scatter")]
     assert labels[bw][0] == fw and labels[fw][0] == bw
@@ -197,11 +197,11 @@ def test_strict_mode_rejects_a_kind_the_move_table_does_not_allow(fake_pg):
     gm = joint(lambda x, g: (x * 2, funcol.all_reduce(g, "sum", dist.group.WORLD)), (4,), (4,))
     tag_all(gm, "mul")
     with pytest.raises(hca.CheckError, match=r"all_reduce \w+ is unproven: only nothing may transpose mul"):
-        run(gm, origins_1d(Origin("mul", "mul", (("S0",),), ("S0",), move=False)), strict=True)
+        run(gm, origins_1d(Origin("mul", "mul", (("S0",),), ("S0",))), strict=True)
     # The same all_reduce behind a replicated value is its cotangent reduction.
     gm = joint(lambda x, g: (x * 2, funcol.all_reduce(g, "sum", dist.group.WORLD)), (4,), (4,))
     tag_all(gm, "mul")
-    labels = run(gm, origins_1d(Origin("mul", "mul", (("R",),), ("R",), move=False)), strict=True)
+    labels = run(gm, origins_1d(Origin("mul", "mul", (("R",),), ("R",))), strict=True)
     assert next(iter(labels.values()))[1].startswith("cotangent reduction")
 
 

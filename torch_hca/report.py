@@ -236,14 +236,7 @@ class CompileReport:
                     "x".join(map(str, c.shape)) or "scalar", c.dtype.replace("torch.", ""),
                     str(c.bytes), f"{c.wire_bytes:.0f}", c.partner or "-", c.rule,
                 ))
-        if len(rows) == 1:
-            return "(no collectives in the compiled graphs)"
-        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-        lines = []
-        for r in rows:
-            line = "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()
-            lines += [line] if width is None or len(line) <= width else _wrap_last_column(r, widths, width)
-        return "\n".join(lines)
+        return _aligned(rows, width) if len(rows) > 1 else "(no collectives in the compiled graphs)"
 
     def moves(self) -> str:
         """Every explicit move: value, layouts, what the solver costed next to what was emitted, and why."""
@@ -251,14 +244,7 @@ class CompileReport:
         for position, g in enumerate(self.graphs):
             rows += [(str(position), r.node, _dotted(r.value), f"{r.src} -> {r.dst}", r.costed or "-", r.emitted or "-",
                       r.reason) for r in g.redistributions]
-        if len(rows) == 1:
-            return "(no moves in the DTensor programs)"
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = []
-        for r in rows:
-            line = "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()
-            lines += [line] if len(line) <= WIDTH else _wrap_last_column(r, widths, WIDTH)
-        return "\n".join(lines)
+        return _aligned(rows, WIDTH) if len(rows) > 1 else "(no moves in the DTensor programs)"
 
     def partial_gradients(self) -> list[dict[str, Any]]:
         """Parameters whose current ``.grad`` is still Partial.
@@ -369,6 +355,16 @@ class CompileReport:
             lines = [f"{p['parameter']} {p['placements']} {p['bytes']} bytes" for p in pending]
             parts.append("== gradients left Partial, reduced outside the graphs on first use ==\n" + "\n".join(lines))
         return "\n\n".join(parts)
+
+
+def _aligned(rows: list[tuple[str, ...]], width: int | None) -> str:
+    """Rows as aligned columns; given ``width``, a row wider than it wraps its last (free text) column."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for r in rows:
+        line = "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()
+        lines += [line] if width is None or len(line) <= width else _wrap_last_column(r, widths, width)
+    return "\n".join(lines)
 
 
 def _dotted(name: str) -> str:
