@@ -313,20 +313,7 @@ MEGATRON: dict[str, dict | None] = {
         "hf.bert.encoder.layer.*.intermediate.dense.*": Shard(0),
         "hf.bert.encoder.layer.?.output.dense.weight": Shard(1),  # the MLP's down projection
     },
-    # The equivalent of `Transformer.parallelize(model, tp_mesh, use_seq_parallel=False)`:
-    # tok_embeddings and pos_embeddings RowwiseParallel (an embedding's rowwise is its
-    # weight Shard(0), output Replicate), wq/wk/wv ColwiseParallel, wo RowwiseParallel,
-    # feed_forward.w1 Colwise (weight and bias), w2 Rowwise (bias replicated), output
-    # ColwiseParallel(output_layouts=Replicate()): weight Shard(0), which is the tied
-    # tok_embeddings.weight, so one entry covers both (named_parameters lists it once).
-    "test_transformer": {
-        "tok_embeddings.weight": Shard(0),
-        "pos_embeddings.weight": Shard(0),
-        "layers.*.attention.w[qkv].weight": Shard(0),
-        "layers.*.attention.wo.weight": Shard(1),
-        "layers.*.feed_forward.w1.*": Shard(0),
-        "layers.*.feed_forward.w2.weight": Shard(1),
-    },
+    "test_transformer": zoo.TP_TEST_TRANSFORMER,  # as Transformer.parallelize(use_seq_parallel=False)
     # No tensor parallelism for a 3-to-8-channel CNN: nothing to split that a user would.
     "convnet": None,
     "vit": {

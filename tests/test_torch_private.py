@@ -344,3 +344,21 @@ def test_origin_tags_reach_the_forward_and_backward_graphs():
     tagged = lambda g: {tp.origin_of(n) for n in g.graph.nodes if n.op == "call_function"} - {None}
     assert len(tagged(graphs["forward"])) == 2 and tagged(graphs["backward"]) == tagged(graphs["forward"])
     assert tp.origin_of(next(iter(graphs["forward"].graph.find_nodes(op="placeholder")))) is None
+
+
+def test_cpu_flash_attention_and_its_backward_are_sdpa_on_one_cpu():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 8, 16, dtype=torch.float64) for _ in range(3))
+    mask = torch.randn(8, 8, dtype=torch.float64)
+    out, lse = tp.cpu_flash_attention(q, k, v, mask, True, 0.3)
+    assert lse.shape == (2, 4, 8)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *leaves, attn_mask=mask.masked_fill(~causal, float("-inf")), scale=0.3)
+    grad = torch.randn_like(out)
+    expected.backward(grad)
+    torch.testing.assert_close(out, expected.detach())
+    grads = tp.cpu_flash_attention_backward(grad, q, k, v, out, lse, mask, True, 0.3)
+    for got, leaf in zip(grads, leaves):
+        torch.testing.assert_close(got, leaf.grad)

@@ -11,6 +11,8 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .tools.bench_models import CONTESTANTS, MODELS
+
     parser = argparse.ArgumentParser(prog="python -m torch_hca", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a tensor-parallel transformer block on local gloo ranks")
@@ -18,9 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="hca next to DTensor eager/Inductor, hand-written TP, DDP and FSDP2")
     bench.add_argument("--world-size", type=int, default=2)
     bench.add_argument("--steps", type=int, default=5)
-    bench.add_argument("--models", default="mlp,block,lm,dp,fsdp", help="comma-separated (default: all)")
-    bench.add_argument("--contestants", default="hca,hca_noschedule,hca_dtensor_layout,hca_dp,dtensor_eager,"
-                       "dtensor_inductor,expert,ddp,fsdp2",
+    bench.add_argument("--models", default=",".join(MODELS), help="comma-separated (default: all)")
+    bench.add_argument("--contestants", default=",".join(CONTESTANTS),
                        help="comma-separated (default: all); each runs on the models it applies to")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write the records as JSON")
     bench.add_argument("--tiny", action="store_true", help="tiny models (a smoke test, not a measurement)")

@@ -297,3 +297,17 @@ def origin_of(node: fx.Node) -> str | None:
     """The DTensor program node `node` was traced from (forward) or differentiates (backward)."""
     custom = node.meta.get("custom")
     return custom.get(_ORIGIN) if isinstance(custom, dict) else None
+
+
+def cpu_flash_attention(q, k, v, mask, causal: bool, scale: float):
+    """(output, logsumexp) of the fused CPU kernel `F.scaled_dot_product_attention` runs on one
+    CPU (``aten._scaled_dot_product_flash_attention_for_cpu``): q, k, v [b, h, L, E] with equal
+    heads, `mask` additive (float) or None, no dropout."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
+        q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+
+
+def cpu_flash_attention_backward(grad, q, k, v, out, logsumexp, mask, causal: bool, scale: float):
+    """(dq, dk, dv) of `cpu_flash_attention`, from its output and logsumexp."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+        grad, q, k, v, out, logsumexp, 0.0, causal, attn_mask=mask, scale=scale)

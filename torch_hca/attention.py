@@ -19,6 +19,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
+from . import _torch_private
 from .errors import UnsupportedError
 
 
@@ -41,9 +42,37 @@ def _math(q, k, v, mask, causal: int, scale: float, groups: int):
     return torch.matmul(p, v)
 
 
+# ----------------------------------------------------------------------------- the fused CPU kernel
+# What F.scaled_dot_product_attention runs on one CPU: 2-4x faster than the math above, and the
+# single-device program's own numbers. Other devices and shapes keep the math.
+
+def _fusable(q, mask) -> bool:
+    return (q.device.type == "cpu" and q.dim() == 4 and q.dtype in (torch.float32, torch.float64)
+            and (mask is None or mask.dim() in (2, 4)))
+
+
+def _expand(t, groups: int):
+    return t.repeat_interleave(groups, dim=-3) if groups > 1 else t
+
+
+def _additive(mask, dtype):
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def _fused(q, k, v, mask, causal: int, scale: float, groups: int):
+    """(output, logsumexp, mask as the kernel takes it, k and v with one head per query head)."""
+    k, v, mask = _expand(k, groups), _expand(v, groups), _additive(mask, q.dtype)
+    out, lse = _torch_private.cpu_flash_attention(q, k, v, mask, bool(causal), scale)
+    return out, lse, mask, k, v
+
+
 @torch.library.custom_op("hca::attention", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               causal: int, scale: float, groups: int) -> torch.Tensor:
+    if _fusable(q, mask):
+        return _fused(q, k, v, mask, causal, scale, groups)[0].contiguous()
     return _math(q, k, v, mask, causal, scale, groups).contiguous()  # the strides the fake promises
 
 
@@ -55,6 +84,14 @@ def _(q, k, v, mask, causal, scale, groups):
 @torch.library.custom_op("hca::attention_backward", mutates_args=())
 def attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        mask: torch.Tensor | None, causal: int, scale: float, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _fusable(q, mask):  # the forward again for its logsumexp (cheaper than keeping [b, h, L] alive)
+        out, lse, fmask, kx, vx = _fused(q, k, v, mask, causal, scale, groups)
+        dq, dk, dv = _torch_private.cpu_flash_attention_backward(grad.contiguous(), q, kx, vx, out, lse, fmask,
+                                                                 bool(causal), scale)
+        if groups > 1:
+            fold = lambda t: t.unflatten(-3, (t.size(-3) // groups, groups)).sum(dim=-3)
+            dk, dv = fold(dk), fold(dv)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
     # Below autograd here: the softmax-attention adjoint written out.
     kx = k.repeat_interleave(groups, dim=-3) if groups > 1 else k
     vx = v.repeat_interleave(groups, dim=-3) if groups > 1 else v

@@ -21,9 +21,9 @@ from ..plan import sharded, trace_over_dtensor
 from ..spmd.collective_kinds import Kind, bytes_per_rank
 from . import zoo
 
-CONTESTANTS = ("hca", "hca_noschedule", "hca_dtensor_layout", "hca_dp", "dtensor_eager", "dtensor_inductor",
-               "expert", "ddp", "fsdp2")
-MODELS = ("mlp", "block", "lm", "dp", "fsdp")
+CONTESTANTS = ("hca", "hca_inductor", "hca_noschedule", "hca_dtensor_layout", "hca_dp", "dtensor_eager",
+               "dtensor_inductor", "expert", "expert_inductor", "ddp", "fsdp2", "single_inductor")
+MODELS = ("mlp", "block", "lm", "tt", "dp", "fsdp")
 LR = 1e-3
 # The other layouts hca could have chosen, each compiled by hca: `regret` is hca's step over the
 # fastest. The expert plans' storage is hca's plan on every tensor-parallel model (a test checks),
@@ -32,6 +32,7 @@ ALTERNATIVES = ("hca_dtensor_layout", "hca_dp")
 # hca's contestants: (storage plan or None for the spec's, batch split, backend options).
 _HCA = {
     "hca": (None, None, {}),
+    "hca_inductor": (None, None, {"inner": "inductor"}),
     "hca_noschedule": (None, None, {"schedule": False}),
     "hca_dtensor_layout": (None, None, {"layout": "dtensor"}),
     "hca_dp": ({}, True, {}),
@@ -39,6 +40,7 @@ _HCA = {
 # The contestant each kind of model is measured against by hand (besides DTensor).
 _EXPERT = {"tp": "expert", "dp": "ddp", "fsdp": "fsdp2"}
 _SCHEDULE_KINDS = ("dp", "fsdp")
+_DTENSOR_RUN = ("hca_dtensor_layout", "dtensor_eager", "dtensor_inductor")  # DTensor runs the forward as written
 
 
 def _square_loss(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -56,6 +58,9 @@ class Spec:
     # The full batch's loss from the losses of its row shards: "sum" (their sum),
     # "mean" (their mean, equal shards), or None (a batch split is not the same training).
     split_loss: str | None = "sum"
+    # Whether DTensor runs the model's forward as written (dtensor_eager, dtensor_inductor and
+    # hca's layout="dtensor" need every value made in forward to be a DTensor).
+    dtensor_runs: bool = True
 
     def rows(self) -> int:
         return self.batch(torch.Generator().manual_seed(0)).shape[0]
@@ -72,12 +77,19 @@ def specs(tiny: bool = False) -> dict[str, Spec]:
         dict(vocab=512, dim=128, heads=4, hidden=512, layers=4)
     bs, seq = (2, 8) if tiny else (8, 64)
     depth = 3 if tiny else 12  # the dp and fsdp models' layers
+    tt = dict(layers=1, vocab=64, seq=8, dim=16, heads=4) if tiny else dict(layers=4, vocab=512, seq=64, dim=256, heads=8)
     return {
         "mlp": Spec("mlp", "tp", lambda: zoo.MLP(d, h), zoo.MEGATRON_MLP, _randn(b, d)),
         "block": Spec("block", "tp", lambda: zoo.TransformerBlock(d, 4 if tiny else 8, h), zoo.TP_BLOCK,
                       _randn(max(bs // 2, 2), seq, d)),  # at least 2 rows: hca_dp splits them
         "lm": Spec("lm", "tp", lambda: zoo.TinyLM(**lm), zoo.TP_LM,
                    lambda g: torch.randint(0, lm["vocab"], (bs, seq), generator=g), zoo.lm_loss, "mean"),
+        # torch's own test Transformer, stored as its `Transformer.parallelize` stores it.
+        "tt": Spec("tt", "tp", lambda: zoo.torch_transformer(**tt), zoo.TP_TEST_TRANSFORMER,
+                   lambda g: torch.randint(0, tt["vocab"], (bs, tt["seq"]), generator=g), zoo.lm_loss, "mean",
+                   # forward's `pos = torch.arange(...)` is a plain tensor into the sharded position
+                   # embedding: DTensor raises "got mixed torch.Tensor and DTensor".
+                   dtensor_runs=False),
         # Enough rows that data parallelism beats gathering the batch and replicating the
         # work (with few rows the layout solver would rather gather: docs/layout.md).
         "dp": Spec("dp", "dp", lambda: zoo.DeepMLP(d, depth), {}, _randn(16 * b, d)),
@@ -88,6 +100,10 @@ def specs(tiny: bool = False) -> dict[str, Spec]:
 
 
 def applies(spec: Spec, contestant: str, world_size: int = 2) -> bool:
+    if contestant == "expert_inductor":
+        return spec.kind == "tp"
+    if contestant in _DTENSOR_RUN:
+        return spec.dtensor_runs
     if contestant in _EXPERT.values():
         return _EXPERT[spec.kind] == contestant
     if contestant == "hca_dp":  # on the data-parallel model it is the hca contestant itself
@@ -133,6 +149,8 @@ def _expert(model: nn.Module, spec: Spec, mesh) -> nn.Module:
 
     if spec.name == "mlp":
         return parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    if spec.name == "tt":  # the model's own plan, attention on local tensors and heads
+        return type(model).parallelize(model, mesh, use_seq_parallel=False, local_output_for_attn=True)
     for m in model.modules():
         if isinstance(m, zoo.Attention):
             m.global_heads = m.heads
@@ -184,9 +202,11 @@ def build(spec: Spec, contestant: str, ref: nn.Module, mesh, costs: dict) -> Bui
             run = torch.compile(model, backend="hca", options={**options, **({"cost_model": costs} if costs else {})})
         # Each rank's loss covers its rows; hca sums the ranks' gradients.
         return Built(model, run, 1.0 / n if split and spec.split_loss == "mean" else 1.0, split)
-    if contestant == "expert":
+    if contestant in ("expert", "expert_inductor"):
         model = _expert(base, spec, mesh)
-        return Built(model, model, 1.0, False)
+        return Built(model, model if contestant == "expert" else torch.compile(model), 1.0, False)
+    if contestant == "single_inductor":  # one device's program on the full batch, on every rank: no communication
+        return Built(base, torch.compile(base), 1.0, False)
     # DDP and FSDP2 average gradients over ranks; each rank's loss sums its rows.
     if contestant == "ddp":
         model = nn.parallel.DistributedDataParallel(base)
@@ -211,6 +231,17 @@ def analytic_min(spec: Spec, ref: nn.Module, x: torch.Tensor, n: int) -> tuple[f
         out = x.numel() * x.element_size()
         return (bytes_per_rank(Kind.ALL_REDUCE, out, n),
                 "1 all-reduce of the output (fwd); bwd needs none: input has no grad")
+    if spec.name == "tt":
+        # Transformer.parallelize's program: the row-parallel embeddings' all-reduces (tokens
+        # [b,s,d], positions [s,d]) and the Megatron blocks' as below, plus the output's
+        # all-gather of the logits and the all-reduce of its input gradient.
+        b, s = x.shape
+        d, vocab, layers = ref.model_args.dim, ref.model_args.vocab_size, len(ref.layers)
+        act = b * s * d * 4
+        total = ((4 * layers + 2) * bytes_per_rank(Kind.ALL_REDUCE, act, n)
+                 + bytes_per_rank(Kind.ALL_REDUCE, s * d * 4, n) + bytes_per_rank(Kind.ALL_GATHER, b * s * vocab * 4, n))
+        return total, (f"{layers} layers x 2 sub-blocks x (1 fwd + 1 bwd) all-reduce of [b,s,d], the embeddings' "
+                       "all-reduces, the logits' all-gather and the output's input-gradient all-reduce")
     blocks = len(ref.blocks) if spec.name == "lm" else 1
     act = x.numel() * 4 * (ref.embed.embedding_dim if spec.name == "lm" else 1)
     # Per block: attention and MLP each one all-reduce of [b,s,d] forward and one backward

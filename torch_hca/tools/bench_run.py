@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .._torch_private import ddp_bucket_bytes
+from .._torch_private import clear_dtensor_sharding_cache, ddp_bucket_bytes
 from ..calibrate import cached_calibrate
 from ..mesh import init_mesh
 from ..report import report
@@ -71,6 +71,9 @@ class Contestant:
         self.opt.zero_grad()
 
     def first(self, x: torch.Tensor, ref_grads: dict) -> None:
+        # DTensor's sharding cache keeps a sharded embedding's mask from the last contestant's
+        # run (real or fake); a compile that meets another's mask fails (fake_dtensor_work).
+        clear_dtensor_sharding_cache()
         t0 = time.perf_counter()
         self.step(x, ref_grads)
         self.rec["first_step_s"] = time.perf_counter() - t0
@@ -113,11 +116,12 @@ def _hca_extras(compiled) -> dict:
     has a timeline, the estimated exposed communication before and after scheduling."""
     rep = report(compiled)
     out = {"report_bytes_per_step": sum(c.wire_bytes for c in rep.collectives),
-           "exposed_comm_est_s": None, "exposed_comm_est_unscheduled_s": None, "est_step_s": None}
+           "exposed_comm_est_s": None, "exposed_comm_est_unscheduled_s": None, "est_step_s": None,
+           "est_compute_s": None, "est_comm_s": None}
     if hasattr(rep, "timeline"):
         tl = rep.timeline()
         out.update(exposed_comm_est_s=tl.after.exposed_comm_s, exposed_comm_est_unscheduled_s=tl.before.exposed_comm_s,
-                   est_step_s=tl.after.total_s)
+                   est_step_s=tl.after.total_s, est_compute_s=tl.after.compute_s, est_comm_s=tl.after.comm_s)
     return out
 
 

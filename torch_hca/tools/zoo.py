@@ -143,6 +143,31 @@ TP_LM = {f"blocks.*.{name}": placement for name, placement in TP_BLOCK.items()}
 # GPT: every block Megatron, embeddings (tied to the head) and norms replicated.
 TP_GPT = TP_LM
 
+# torch's own DTensor test model (`common_dtensor.Transformer`) stored as its
+# `Transformer.parallelize(model, mesh, use_seq_parallel=False)` stores it: the token and
+# position embeddings RowwiseParallel (weight Shard(0)), wq/wk/wv and w1 ColwiseParallel
+# (weight and bias Shard(0)), wo and w2 RowwiseParallel (weight Shard(1), bias replicated),
+# the output ColwiseParallel (weight Shard(0): the tied token embedding's weight, so the
+# one entry covers both; named_parameters lists it once).
+TP_TEST_TRANSFORMER = {
+    "tok_embeddings.weight": Shard(0),
+    "pos_embeddings.weight": Shard(0),
+    "layers.*.attention.w[qkv].weight": Shard(0),
+    "layers.*.attention.wo.weight": Shard(1),
+    "layers.*.feed_forward.w1.*": Shard(0),
+    "layers.*.feed_forward.w2.weight": Shard(1),
+}
+
+
+def torch_transformer(layers: int = 4, vocab: int = 512, seq: int = 64, dim: int = 256, heads: int = 8) -> nn.Module:
+    """torch's DTensor test Transformer (learned positions, causal attention, LayerNorm,
+    GELU MLP, output tied to the token embedding), no dropout."""
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    return Transformer(ModelArgs(n_layers=layers, vocab_size=vocab, max_seq_len=seq, dim=dim, n_heads=heads,
+                                 dropout_p=0.0, use_attn_mask=True, weight_tying=True))
+
+
 # FSDP-style storage: every parameter split on its first dimension (use with
 # a batch split the same way, `inputs=Shard(0)`).
 FSDP_PLAN = {"*": Shard(0)}
