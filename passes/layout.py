@@ -108,6 +108,7 @@ class LayoutPass:
         ctx.report.layout = {
             "solver": solution.solver, "status": solution.status, "objective_s": solution.objective_s,
             "bound_s": solution.bound_s, "seconds": solution.seconds, "cost_model": model.as_dict(),
+            "cost_model_source": ctx.options.costs_source(mesh.device_type),
             "strategies": sum(len(op.strategies) for op in ops), "values": solution.explain,
             "probe_seconds": solution_start - start,
         }

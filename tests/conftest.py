@@ -8,12 +8,20 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import torch_hca as hca
 from torch_hca.mesh import reset_current_mesh
+
+# The compiler starts from this host's cached calibration when there is one: tests solve with
+# the documented defaults instead (an empty cache), so that layouts do not depend on the machine.
+# Set before any worker process starts, so the ranks inherit it.
+os.environ["TORCH_HCA_CACHE_DIR"] = tempfile.mkdtemp(prefix="torch_hca_test_cache_")
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ are exercised there.
 
 import copy
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 import torch_hca as hca
+from torch_hca.tools.bench_tables import _SAME_PROGRAM
 from torch_hca.tools.bench import ALTERNATIVES, BREAKDOWN, CONTESTANTS, MODELS, _expert, applies, specs, \
     step_breakdown, traced_step
 from torch_hca.tools.step_profile import StepProfile
@@ -36,6 +38,8 @@ def run(tmp_path_factory):
         [sys.executable, "-m", "torch_hca", "bench", "--tiny", "--steps", "1", "--rounds", "2",
          "--profile", str(traces), "--json", str(out)],
         capture_output=True, text=True, timeout=900,
+        # The bench calibrates and caches: in its own folder, not the session's (which stays empty).
+        env={**os.environ, "TORCH_HCA_CACHE_DIR": str(folder / "cache")},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "== schedule on/off" in proc.stdout and "== where the step time goes" in proc.stdout
@@ -56,7 +60,11 @@ def test_every_model_and_contestant_has_a_complete_record(records):
         assert not r.get("failed"), r
         assert KEYS <= r.keys(), (r["model"], r["contestant"], KEYS - r.keys())
         assert all(r[k] is not None for k in KEYS), r
-        assert r["bytes_per_step"] > 0 and r["collectives"] > 0 and r["peak_mem_bytes"] > 0
+        assert r["peak_mem_bytes"] > 0
+        if r["contestant"] == "single_inductor":  # one device's program: nothing to send
+            assert r["bytes_per_step"] == 0 and r["collectives"] == 0, r
+        else:
+            assert r["bytes_per_step"] > 0 and r["collectives"] > 0, r
 
 
 def test_every_contestant_matches_a_single_device(records):
@@ -67,7 +75,10 @@ def test_every_contestant_matches_a_single_device(records):
 def test_profiled_bytes_agree_with_hca_report(records):
     """The profiler's count (every contestant) and hca's own table (hca only) agree on hca."""
     for r in records:
-        if r["contestant"].startswith("hca"):
+        # Where the profiler could not tell a tensor list's dtypes apart it counts 4 bytes per
+        # element and says so in the notes; hca's table knows them.
+        approximate = any("mixed dtypes" in n for n in r["notes"])
+        if r["contestant"].startswith("hca") and not approximate:
             assert r["bytes_per_step"] == pytest.approx(r["report_bytes_per_step"]), r
 
 
@@ -76,7 +87,7 @@ def test_hca_bytes_against_the_others_are_reported(records):
     for model in MODELS:
         rows = [r for r in records if r["model"] == model]
         hca = next(r for r in rows if r["contestant"] == "hca")
-        best = min((r for r in rows if not r["contestant"].startswith("hca")), key=lambda r: r["bytes_per_step"])
+        best = min((r for r in rows if r["contestant"] not in _SAME_PROGRAM), key=lambda r: r["bytes_per_step"])
         if hca["bytes_per_step"] > best["bytes_per_step"]:
             behind.append(f"{model}: hca {hca['bytes_per_step']:.0f} B > "
                           f"{best['contestant']} {best['bytes_per_step']:.0f} B")
@@ -121,7 +132,8 @@ def test_profile_writes_a_trace_per_contestant_and_rank_and_a_breakdown(run):
         p = r["profile"]
         assert p["step_s"] > 0 and all(p[f"{k}_s"] >= 0 for k in BREAKDOWN), r
         assert sum(p[f"{k}_s"] for k in BREAKDOWN) == pytest.approx(p["step_s"]), r
-        assert p["collectives_s"] > 0, (r["model"], r["contestant"], p)  # every contestant communicates
+        if r["contestant"] != "single_inductor":  # every other contestant communicates
+            assert p["collectives_s"] > 0, (r["model"], r["contestant"], p)
 
 
 def _x(name, ts, dur, tid=1):

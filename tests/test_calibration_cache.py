@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch_hca as hca
 from torch_hca.spmd.cost_model import CACHE_FILE, cache_dir, cached_calibration, store_calibration
 
-FIGURES = {"launch_s": 2e-4, "alpha_s": 0.0, "bytes_per_s": 1.5e9, "flops_per_s": 9e10, "memory_bytes_per_s": 2e10}
+FIGURES = {"launch_s": 2e-4, "alpha_s": 0.0, "bytes_per_s": 1.5e9, "flops_per_s": 9e10, "memory_bytes_per_s": 2e10,
+           "op_s": 7e-6}
 
 
 @pytest.fixture
@@ -119,3 +120,44 @@ def test_calibrate_follows_rank_zeros_cache(worlds, tmp_path):
     assert hit0 == hit1 == FIGURES
     assert fresh0 == fresh1 != FIGURES
     assert kept0 == fresh0 and kept1 is None  # only rank 0 writes
+
+
+def compile_with_and_without_a_cache(root: str) -> tuple:
+    """On a rank: the layout pass's cost model and its source, with no cache entry, then with one,
+    then with the entry and an override."""
+    from torch.distributed.tensor import Shard
+
+    from torch_hca.tools import zoo
+
+    old = os.environ.get("TORCH_HCA_CACHE_DIR")
+    os.environ["TORCH_HCA_CACHE_DIR"] = os.path.join(root, f"rank{dist.get_rank()}")
+    seen = []
+    try:
+        hca.init_mesh()
+        for options in ({}, {}, {"cost_model": {"flops_per_s": 1e12}}):
+            if len(seen) == 1:
+                store_calibration(FIGURES)
+            torch._dynamo.reset()
+            model = hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP(16, 32))
+            compiled = torch.compile(model, backend="hca", options=options)
+            compiled(torch.ones(4, 16)).sum().backward()  # the same replicated input on every rank
+            layout = hca.report(compiled).graphs[0].layout
+            seen.append((layout["cost_model"], layout["cost_model_source"]))
+        return seen
+    finally:
+        torch._dynamo.reset()
+        if old is None:
+            del os.environ["TORCH_HCA_CACHE_DIR"]
+        else:
+            os.environ["TORCH_HCA_CACHE_DIR"] = old
+
+
+def test_the_compiler_starts_from_this_hosts_cached_calibration(worlds, tmp_path):
+    from torch_hca.spmd.cost_model import DEFAULTS
+
+    for (none, none_src), (cached, cached_src), (over, over_src) in worlds(2).run(
+            compile_with_and_without_a_cache, str(tmp_path)):
+        assert none == DEFAULTS["gloo"].as_dict() and none_src == "defaults"
+        assert cached == FIGURES and cached_src.startswith("calibrated ")
+        assert over == {**FIGURES, "flops_per_s": 1e12}
+        assert over_src.startswith("calibrated ") and over_src.endswith("with overrides of flops_per_s")

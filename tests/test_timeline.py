@@ -30,7 +30,7 @@ N = 64  # every tensor is N x N float32
 MM_FLOPS = 2 * N**3
 
 # Memory traffic is free, so an op's time is its FLOPs / flops_per_s: easy to predict.
-COSTS = CostModel(launch_s=1e-4, alpha_s=1e-5, bytes_per_s=1e8, flops_per_s=1e9, memory_bytes_per_s=1e30)
+COSTS = CostModel(launch_s=1e-4, alpha_s=1e-5, bytes_per_s=1e8, flops_per_s=1e9, memory_bytes_per_s=1e30, op_s=0.0)
 MM_S = MM_FLOPS / COSTS.flops_per_s
 SIZES = {"0": 4, "1": 2, "solo": 1}
 
@@ -165,7 +165,20 @@ def test_a_graph_traced_under_the_fake_process_group(fake_pg):
     t = estimate([("forward", gm)], costs)  # group size from the live (fake) group: 4
     assert [e.name for e in t.events] == ["aten.mm", "all_reduce", "aten.relu"]
     assert close(t.exposed_comm_s, costs.collective_s(Kind.ALL_REDUCE, 8 * 16 * 4, 4))
-    assert close(t.events[0].duration_s, costs.compute_s(2 * 8 * 16 * 16, (8 * 16 + 16 * 16 + 8 * 16) * 4))
+    # Each op also pays the host time to issue it (op_s).
+    assert close(t.events[0].duration_s, costs.compute_s(2 * 8 * 16 * 16, (8 * 16 + 16 * 16 + 8 * 16) * 4) + costs.op_s)
+
+
+def test_every_op_pays_its_issue_time_views_included(fake_pg):
+    def step(x):
+        return x.t().relu()
+
+    gm = make_fx(step, tracing_mode="fake")(torch.randn(8, 16))
+    slow_host = CostModel(**{**COSTS.as_dict(), "op_s": 1e-3})
+    t = estimate([("forward", gm)], slow_host)
+    assert [e.name for e in t.events] == ["aten.t", "aten.relu"]
+    assert close(t.events[0].duration_s, 1e-3)  # a view: only its issue time
+    assert close(t.compute_s, 2e-3 + estimate([("forward", gm)], COSTS).compute_s)
 
 
 def test_the_compiled_mlp_graphs(fake_pg):

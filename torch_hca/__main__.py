@@ -1,6 +1,6 @@
-"""Command line: `python -m torch_hca demo` and `python -m torch_hca bench`.
+"""Command line: `python -m torch_hca demo`, `bench` and `calibrate`.
 
-Both print their results on stdout and one progress line per step of work,
+`demo` and `bench` print their results on stdout and one progress line per step of work,
 with the elapsed time, on stderr (`torch_hca.tools.progress`).
 """
 
@@ -15,6 +15,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m torch_hca", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    calibrate = sub.add_parser("calibrate", help="measure the cost model on local gloo ranks and cache it "
+                               "(what the compiler uses by default on this host)")
+    calibrate.add_argument("--world-size", type=int, default=2)
     demo = sub.add_parser("demo", help="train a tensor-parallel transformer block on local gloo ranks")
     demo.add_argument("--world-size", type=int, default=2)
     bench = sub.add_parser("bench", help="hca next to DTensor eager/Inductor, hand-written TP, DDP and FSDP2")
@@ -25,13 +28,12 @@ def main(argv: list[str] | None = None) -> int:
                        help="comma-separated (default: all); each runs on the models it applies to")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write the records as JSON")
     bench.add_argument("--tiny", action="store_true", help="tiny models (a smoke test, not a measurement)")
-    bench.add_argument("--calibrate", action="store_true",
-                       help="hca uses cost-model figures hca.calibrate() measures on the ranks first "
-                            "(default: the cost model's documented defaults, for run-to-run stable layouts); "
-                            "the figures cached for this host, world size, backend and torch version when there "
-                            "are some, else measured and cached (docs/bench.md)")
+    bench.add_argument("--default-costs", action="store_true",
+                       help="hca uses the cost model's documented defaults (default: this machine's calibration, "
+                            "cached for this host, world size, backend and torch version, else measured and "
+                            "cached first; docs/bench.md)")
     bench.add_argument("--recalibrate", action="store_true",
-                       help="like --calibrate, but measure again even when cached (and replace the cache)")
+                       help="measure the calibration again even when cached (and replace the cache)")
     bench.add_argument("--rounds", type=int, default=1, metavar="K",
                        help="timed steps in K round-robin rounds of --steps steps per contestant, medians over "
                             "all (default 1: each contestant's timed steps in one block)")
@@ -44,8 +46,13 @@ def main(argv: list[str] | None = None) -> int:
 
         split = lambda s: [v.strip() for v in s.split(",") if v.strip()]
         return bench_main(args.world_size, args.steps, split(args.models), split(args.contestants), args.json,
-                          args.tiny, args.calibrate, recalibrate=args.recalibrate, rounds=args.rounds,
+                          args.tiny, args.default_costs, recalibrate=args.recalibrate, rounds=args.rounds,
                           profile_dir=args.profile)
+    if args.command == "calibrate":
+        from .calibrate import calibrate_local
+
+        print(calibrate_local(args.world_size))
+        return 0
     if args.command == "demo":
         from .tools.demo import main as demo_main
 

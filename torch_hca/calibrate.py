@@ -7,7 +7,10 @@ defaults are rough. This measures, on the current process group and device:
     separates the per-round ``alpha_s`` from the per-call ``launch_s``
     (ring rounds: n-1 against 2(n-1));
   * bandwidth: an all_reduce of 4 MiB, less the latency, over its ring wire bytes;
-  * compute: a 512x512x512 fp32 matmul; memory: a 16 MiB copy.
+  * compute: a training step of a small MLP (4 x Linear(256, 256) + ReLU on 256 rows,
+    forward and backward: 11 matmuls' FLOPs over its median time, so the rate includes
+    what a step pays besides the matmuls, on all ranks at once as in a step);
+  * memory: a 16 MiB copy; op_s: an FX graph of 200 adds of one element, per add.
 
 Ranks measure different numbers, and the solver must make the same choice on
 every rank, so rank 0's figures are broadcast and every rank returns them.
@@ -32,7 +35,7 @@ from .spmd.cost_model import cached_calibration, store_calibration
 from .errors import HCAError, MeshError
 from .mesh import current_mesh
 
-FIELDS = ("launch_s", "alpha_s", "bytes_per_s", "flops_per_s", "memory_bytes_per_s")
+FIELDS = ("launch_s", "alpha_s", "bytes_per_s", "flops_per_s", "memory_bytes_per_s", "op_s")
 
 
 def _best_s(fn: Callable[[], None], repeats: int) -> float:
@@ -49,6 +52,46 @@ def _best_s(fn: Callable[[], None], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def _median_s(fn: Callable[[], None], repeats: int) -> float:
+    """The median of `repeats` runs after three warm-ups: for compute, which a step pays
+    at its typical speed, not its best."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _mlp_step(device: torch.device) -> tuple[Callable[[], None], float]:
+    """A small MLP's forward and backward, and its matmul FLOPs: 4 forward, 4 weight-gradient
+    and 3 input-gradient matmuls (the input takes no gradient) of 256 x 256 x 256."""
+    layers = [torch.nn.Linear(256, 256, device=device) for _ in range(4)]
+    x = torch.randn(256, 256, device=device)
+
+    def step():
+        y = x
+        for layer in layers:
+            y = torch.relu(layer(y))
+        y.sum().backward()
+    return step, 11 * 2 * 256 ** 3
+
+
+def _op_s(device: torch.device, ops: int = 200) -> float:
+    """Host seconds per op of an FX graph of `ops` one-element adds (what the eager program pays per op)."""
+    import torch.fx as fx
+
+    graph = fx.Graph()
+    x = y = graph.placeholder("x")
+    for _ in range(ops):
+        y = graph.call_function(torch.ops.aten.add.Tensor, (y, x))
+    graph.output(y)
+    gm, one = fx.GraphModule({}, graph), torch.ones(1, device=device)
+    return _best_s(lambda: gm(one), 5) / ops
 
 
 def calibrate(repeats: int = 20, *, cache: bool = False, refresh: bool = False) -> dict[str, float]:
@@ -113,8 +156,10 @@ def _measure(repeats: int) -> dict[str, float]:
     gather_s = timed(lambda: dist.all_gather_into_tensor(out, tiny))
     reduce_s = timed(lambda: dist.all_reduce(tiny))
     big_s = timed(lambda: dist.all_reduce(big))
-    a = torch.randn(512, 512, device=device)
-    matmul_s = timed(lambda: a @ a)
+    step, step_flops = _mlp_step(device)
+    dist.barrier()
+    step_s = _median_s(lambda: (step(), sync()), max(repeats // 2, 3))
+    op_s = _op_s(device)
     src, dst = torch.randn(2 ** 22, device=device), torch.empty(2 ** 22, device=device)
     copy_s = timed(lambda: dst.copy_(src))
 
@@ -124,8 +169,27 @@ def _measure(repeats: int) -> dict[str, float]:
     figures = torch.tensor([
         launch, alpha,
         wire / max(big_s - reduce_s, 1e-9),
-        2 * 512 ** 3 / matmul_s,
+        step_flops / step_s,
         2 * src.numel() * 4 / copy_s,  # read and write
+        op_s,
     ], dtype=torch.float64, device=device)
     dist.broadcast(figures, src=0)
     return dict(zip(FIELDS, (float(x) for x in figures.tolist())))
+
+
+def _calibrate_and_store() -> dict[str, float]:
+    from .mesh import init_mesh
+
+    init_mesh()
+    return cached_calibrate(refresh=True)[0]
+
+
+def calibrate_local(world_size: int = 2) -> str:
+    """`python -m torch_hca calibrate`: measure on `world_size` local gloo ranks, cache, and say what."""
+    from .launch import launch
+    from .spmd.cost_model import cache_dir
+
+    figures = launch(_calibrate_and_store, world_size)[0]
+    lines = [f"cost model for {world_size} local gloo ranks, cached in {cache_dir()}:"]
+    lines += [f"  {k:<20} {v:.4g}" for k, v in figures.items()]
+    return "\n".join(lines)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from numbers import Real
 from typing import Any
 
-from .spmd.cost_model import DEFAULTS, CostModel, backend_for, cost_model, with_overrides
+from .spmd.cost_model import DEFAULTS, CostModel, backend_for, base_model, with_overrides
 from .errors import OptionsError
 
 INNER = ("eager", "inductor", "dtensor")
@@ -44,7 +44,9 @@ class Options:
     solver_time_limit_s: time limit of the exact solver before the greedy
       fallback takes over (default 10).
     cost_model: overrides of `torch_hca.spmd.cost_model.CostModel` fields
-      (launch_s, alpha_s, bytes_per_s, flops_per_s, memory_bytes_per_s).
+      (launch_s, alpha_s, bytes_per_s, flops_per_s, memory_bytes_per_s, op_s)
+      on top of this host's cached calibration (``hca.calibrate(cache=True)``,
+      ``python -m torch_hca calibrate``) or, without one, the defaults.
     schedule: reorder (start collectives early, wait late) and bucket
       collectives (default True); False keeps the traced order.
     bucket_cap_mb: largest flat buffer gradient reductions and weight
@@ -140,5 +142,11 @@ class Options:
         )
 
     def costs(self, device_type: str) -> CostModel:
-        """The cost model for a mesh on `device_type`, with this compile's overrides."""
-        return cost_model(backend_for(device_type), dict(self.cost_model))
+        """The cost model for a mesh on `device_type`: this host's cached calibration, else
+        the defaults (`base_model`), with this compile's overrides."""
+        return with_overrides(base_model(backend_for(device_type))[0], dict(self.cost_model))
+
+    def costs_source(self, device_type: str) -> str:
+        """Where `costs` starts from: "calibrated <when>" or "defaults" (+ "with overrides")."""
+        source = base_model(backend_for(device_type))[1]
+        return source + (f" with overrides of {', '.join(k for k, _ in self.cost_model)}" if self.cost_model else "")

@@ -19,6 +19,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from .errors import HCAError
+from .spmd.cost_model import CostModel
 from .spmd.placements import layout_str
 from .gradients import partial_dims
 
@@ -311,7 +312,8 @@ class CompileReport:
                 "runs the DTensor program eagerly); compile with inner='eager' or 'inductor' to estimate a step"
             )
         device = (self.graphs[0].mesh or {}).get("device_type", "cpu")
-        costs = self.graphs[0].options.costs(device)
+        solved = self.graphs[0].layout.get("cost_model")  # the figures the layout was solved with
+        costs = CostModel(**solved) if solved else self.graphs[0].options.costs(device)
         return StepTimelines(estimate(before, costs), estimate(after, costs))
 
     def explain(self) -> str:
@@ -324,7 +326,8 @@ class CompileReport:
                 bound = lay.get("bound_s")
                 head += (f", {lay['status']}; objective {lay['objective_s'] * 1e6:.1f} us"
                          f"{'' if bound is None else f', bound {bound * 1e6:.1f} us'}; "
-                         f"{lay['strategies']} strategies, solved in {lay['seconds']:.2f} s")
+                         f"{lay['strategies']} strategies, solved in {lay['seconds']:.2f} s; "
+                         f"cost model: {lay.get('cost_model_source', '?')}")
             lines = [head + " =="]
             rows = lay.get("values", [])
             if rows:

@@ -16,8 +16,9 @@ The rules (a model, not a measurement; deterministic):
   (`torch.utils.flop_counter.flop_registry`) where it has one, else one per
   output element; bytes are the tensors it reads plus those it writes, read
   from ``node.meta["val"]`` (a node without one costs nothing);
-* placeholders, outputs, getitem, views and ops that return no tensor take
-  no time;
+* every op but getitem also takes ``costs.op_s``, the host time to issue it
+  (Python, FX, the dispatcher); placeholders, outputs and getitem take no
+  time, views and ops that return no tensor only ``op_s``;
 * a collective is issued at the compute lane's current time and takes no
   compute time; it runs on its group's lane (``"comm:<group name>"``) from
   ``max(issue time, lane free)`` for ``costs.collective_s(kind, payload, n)``,
@@ -204,7 +205,8 @@ class _Player:
                 self.compute(graph, node)
 
     def compute(self, graph: str, node: fx.Node) -> None:
-        seconds = op_seconds(node, self.costs)
+        # Every op the program runs pays the host cost of issuing it; getitem is Python only.
+        seconds = op_seconds(node, self.costs) + (0.0 if node.target is operator.getitem else self.costs.op_s)
         if seconds > 0:
             name = str(node.target.overloadpacket)
             self.events.append(Event(name, COMPUTE, self.now, self.now + seconds, node.name, graph))

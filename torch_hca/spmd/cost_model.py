@@ -6,7 +6,8 @@ A collective of kind k on a payload of S bytes over n ranks costs
 
 where ``wire_bytes`` is the ring model of `collective_kinds` (what one rank
 sends) and ``steps`` the number of ring rounds. An op costs
-``max(flops / flops_per_s, bytes touched / memory_bytes_per_s)``.
+``max(flops / flops_per_s, bytes touched / memory_bytes_per_s)``, and the host
+``op_s`` to issue it (Python, FX, the dispatcher: what a small op costs).
 
 The defaults are rough figures for the two transports torch_hca targets;
 calibrate them for a cluster with ``options={"cost_model": {...}}``:
@@ -18,13 +19,14 @@ calibrate them for a cluster with ``options={"cost_model": {...}}``:
 | bytes_per_s        | 1e9             | 50e9        |
 | flops_per_s        | 20e9            | 50e12       |
 | memory_bytes_per_s | 10e9            | 3e12        |
+| op_s               | 5e-6            | 5e-6        |
 
-Figures measured once per machine can be kept on disk: ``hca.calibrate(cache=True)``
-stores them in ``calibration.json`` under `cache_dir()`, keyed by (rank 0's host,
-world size, backend, torch version), and `cached_calibration()` reads them back.
-The compiler does not read the cache by itself; pass the figures::
-
-    torch.compile(model, backend="hca", options={"cost_model": hca.calibrate(cache=True)})
+Figures measured once per machine are kept on disk: ``hca.calibrate(cache=True)``
+(or ``python -m torch_hca calibrate``) stores them in ``calibration.json`` under
+`cache_dir()`, keyed by (host, world size, backend, torch version), and
+`cached_calibration()` reads them back. The compiler starts from them when this
+host has an entry for the process group it compiles on (`base_model`), else from
+the defaults; ``options={"cost_model": {...}}`` overrides fields of either.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class CostModel:
     bytes_per_s: float
     flops_per_s: float
     memory_bytes_per_s: float
+    op_s: float = 5e-6  # host seconds to issue one op of the program
 
     def collective_s(self, kind: Kind, payload_bytes: float, n: int) -> float:
         """Seconds for one collective of `kind` on `payload_bytes` over `n` ranks."""
@@ -102,8 +105,10 @@ class CostModel:
 
 
 DEFAULTS: dict[str, CostModel] = {
-    "gloo": CostModel(launch_s=50e-6, alpha_s=20e-6, bytes_per_s=1e9, flops_per_s=20e9, memory_bytes_per_s=10e9),
-    "nccl": CostModel(launch_s=10e-6, alpha_s=5e-6, bytes_per_s=50e9, flops_per_s=50e12, memory_bytes_per_s=3e12),
+    "gloo": CostModel(launch_s=50e-6, alpha_s=20e-6, bytes_per_s=1e9, flops_per_s=20e9, memory_bytes_per_s=10e9,
+                      op_s=5e-6),
+    "nccl": CostModel(launch_s=10e-6, alpha_s=5e-6, bytes_per_s=50e9, flops_per_s=50e12, memory_bytes_per_s=3e12,
+                      op_s=5e-6),
 }
 
 
@@ -119,6 +124,24 @@ def cost_model(backend: str, overrides: Mapping[str, Any] | None = None) -> Cost
     return with_overrides(DEFAULTS[backend], overrides)
 
 
+def base_model(backend: str) -> tuple[CostModel, str]:
+    """The model the compiler starts from, and where it came from: this host's cached
+    calibration for the current process group ("calibrated <when>"), else the defaults.
+
+    Each rank reads its own host's file: ranks on hosts with different entries would
+    solve differently, which the first call's agreement check reports by rank.
+    """
+    import torch.distributed as dist
+
+    if backend not in DEFAULTS:
+        raise OptionsError(f"cost model: unknown backend {backend!r}; use one of {sorted(DEFAULTS)}")
+    if dist.is_initialized() and str(dist.get_backend()) == backend:
+        entry = _cached_entry()
+        if entry is not None:
+            return CostModel(**entry[0]), f"calibrated {entry[1]}"
+    return DEFAULTS[backend], "defaults"
+
+
 def with_overrides(model: CostModel, overrides: Mapping[str, Any] | None) -> CostModel:
     if not overrides:
         return model
@@ -127,7 +150,7 @@ def with_overrides(model: CostModel, overrides: Mapping[str, Any] | None) -> Cos
     if unknown:
         raise OptionsError(f"options['cost_model']: unknown field(s) {unknown}; the fields are {sorted(fields)}")
     for key, value in overrides.items():
-        latency = key in ("launch_s", "alpha_s")  # may be 0; rates may not
+        latency = key in ("launch_s", "alpha_s", "op_s")  # may be 0; rates may not
         if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
                 or value < 0 or (value == 0 and not latency)):
             raise OptionsError(
@@ -198,14 +221,21 @@ def cached_calibration(world_size: int | None = None, backend: str | None = None
     """The figures `store_calibration` kept for this host, world size, backend and torch
     version, or None. Reads this process's file only: under several hosts, let rank 0 decide
     (``hca.calibrate(cache=True)`` does), so that every rank solves with the same figures."""
+    entry = _cached_entry(world_size, backend)
+    return None if entry is None else entry[0]
+
+
+def _cached_entry(world_size: int | None = None, backend: str | None = None) -> tuple[dict[str, float], str] | None:
+    """(figures, when they were measured) of this key's entry, or None."""
     key = calibration_key(world_size, backend)
     path = cache_dir() / CACHE_FILE
     for entry in _read_entries(path):
         if all(entry.get(k) == key[k] for k in _KEY):
             try:
-                return _valid_figures(entry.get("figures"))
+                return _valid_figures(entry.get("figures")), str(entry.get("measured_at", "?"))
             except (ValueError, HCAError) as e:
-                warnings.warn(f"torch_hca: ignoring a calibration cache entry in {path} ({e})", stacklevel=2)
+                warnings.warn(f"torch_hca: ignoring a calibration cache entry in {path} ({e}); "
+                              "hca.calibrate(cache=True, refresh=True) measures it again", stacklevel=3)
                 return None
     return None
 

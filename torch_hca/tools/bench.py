@@ -47,7 +47,7 @@ from .progress import Progress
 
 
 def main(world_size: int = 2, steps: int = 5, models=MODELS, contestants=CONTESTANTS, json_path=None,
-         tiny: bool = False, calibrate: bool = False, *, recalibrate: bool = False, rounds: int = 1,
+         tiny: bool = False, default_costs: bool = False, *, recalibrate: bool = False, rounds: int = 1,
          profile_dir: str | None = None) -> int:
     models, contestants = list(models), list(contestants)
     for m in models:
@@ -66,7 +66,7 @@ def main(world_size: int = 2, steps: int = 5, models=MODELS, contestants=CONTEST
     print(f"torch_hca bench: {', '.join(models)} x {', '.join(contestants)} on {world_size} local gloo ranks, "
           f"{'tiny models, ' if tiny else ''}1 warm-up + {timed} + {2 if profile_dir else 1} profiled step(s)\n",
           flush=True)
-    cfg = RunConfig(steps, tiny, calibrate, recalibrate, rounds, os.path.abspath(profile_dir) if profile_dir else None)
+    cfg = RunConfig(steps, tiny, default_costs, recalibrate, rounds, os.path.abspath(profile_dir) if profile_dir else None)
     progress = Progress("bench")  # one line per model and contestant, on stderr
     progress(f"starting {world_size} local gloo ranks")
     records = merge(launch(run_rank, world_size, models, contestants, cfg, progress.since, timeout_s=1800.0))

@@ -40,6 +40,9 @@ _HCA = {
 # The contestant each kind of model is measured against by hand (besides DTensor).
 _EXPERT = {"tp": "expert", "dp": "ddp", "fsdp": "fsdp2"}
 _SCHEDULE_KINDS = ("dp", "fsdp")
+# Is tensor parallelism faster than one device, and than the expert plan under Inductor? Asked on
+# torch's test Transformer (each Inductor compile costs the smoke test ~10 s per model).
+_ONE_DEVICE_QUESTION = ("expert_inductor", "single_inductor")
 _DTENSOR_RUN = ("hca_dtensor_layout", "dtensor_eager", "dtensor_inductor")  # DTensor runs the forward as written
 
 
@@ -100,8 +103,8 @@ def specs(tiny: bool = False) -> dict[str, Spec]:
 
 
 def applies(spec: Spec, contestant: str, world_size: int = 2) -> bool:
-    if contestant == "expert_inductor":
-        return spec.kind == "tp"
+    if contestant in _ONE_DEVICE_QUESTION:
+        return spec.name == "tt"
     if contestant in _DTENSOR_RUN:
         return spec.dtensor_runs
     if contestant in _EXPERT.values():

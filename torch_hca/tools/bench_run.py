@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from .._torch_private import clear_dtensor_sharding_cache, ddp_bucket_bytes
 from ..calibrate import cached_calibrate
+from ..spmd.cost_model import DEFAULTS, backend_for
 from ..mesh import init_mesh
 from ..report import report
 from .bench_models import ALTERNATIVES, CONTESTANTS, LR, Spec, analytic_min, applies, build, specs
@@ -142,8 +143,8 @@ def _failure(e: BaseException) -> str:
 class RunConfig:
     steps: int = 5  # timed steps per round
     tiny: bool = False
-    calibrate: bool = False  # hca's cost model from hca.calibrate(cache=True): cached, else measured
-    recalibrate: bool = False  # measure it even when cached (implies calibrate)
+    default_costs: bool = False  # hca's cost model: the documented defaults, not this machine's calibration
+    recalibrate: bool = False  # measure the calibration even when cached
     rounds: int = 1  # round-robin rounds of `steps` timed steps per contestant
     profile_dir: str | None = None  # write a Chrome trace of one more step per contestant and rank
 
@@ -212,9 +213,11 @@ def _run_model(spec: Spec, contestants: list, cfg: RunConfig, mesh, costs: dict,
 def run_rank(models: list, contestants: list, cfg: RunConfig, since: float | None = None) -> list:
     mesh = init_mesh()
     progress = Progress("bench", since, enabled=dist.get_rank() == 0)
-    # hca's cost model in this run: rank 0's calibrated figures (cached or measured), or {} for the defaults.
-    costs, source = {}, "defaults"
-    if cfg.calibrate or cfg.recalibrate:
+    # hca's cost model in this run, passed to every hca contestant: rank 0's calibrated figures
+    # (cached, else measured and cached: what the compiler uses by default), or the defaults.
+    if cfg.default_costs:
+        costs, source = DEFAULTS[backend_for(mesh.device_type)].as_dict(), "defaults"
+    else:
         progress("calibrating the cost model on the ranks ..." if cfg.recalibrate else
                  "cost model: the cached calibration, else calibrating on the ranks ...")
         costs, cached = cached_calibrate(refresh=cfg.recalibrate)
@@ -227,7 +230,7 @@ def run_rank(models: list, contestants: list, cfg: RunConfig, since: float | Non
         for name in models:
             for rec in _run_model(specs(cfg.tiny)[name], contestants, cfg, mesh, costs, progress):
                 if rec["contestant"].startswith("hca"):
-                    rec["cost_model"], rec["cost_model_source"] = dict(costs) or "defaults", source
+                    rec["cost_model"], rec["cost_model_source"] = dict(costs), source
                 records.append(rec)
     return records
 
