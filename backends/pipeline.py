@@ -106,7 +106,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
     _dump_tables(ctx)
     if logical is not None:
         compiled = _refinement_checked(compiled, logical, report)
-    return _agreed(compiled, agreement)
+    # The refinement check runs the backward (and its collectives) inside the first call: check first.
+    forward = report.forward if report.forward is not None else gm
+    return _agreed(compiled, agreement, logical is not None or any(n.target in OPS for n in forward.graph.nodes))
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -117,12 +119,21 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def _agreed(compiled: Callable, agreement: InputAgreement) -> Callable:
-    """`compiled`, called only once every rank agrees on the program and its inputs (torch_hca.agreement)."""
+def _agreed(compiled: Callable, agreement: InputAgreement, forward_communicates: bool = True) -> Callable:
+    """`compiled`, whose result is returned only once every rank agrees on the program and its
+    inputs (torch_hca.agreement). A forward that issues no collective cannot hang on a
+    mismatch, so it runs while the peers' posts arrive; one that does runs after the check."""
 
     def run(*args):
-        agreement(args)
-        return compiled(*args)
+        verify = agreement.post(args)
+        if verify is None:
+            return compiled(*args)
+        if forward_communicates:
+            verify()
+            return compiled(*args)
+        out = compiled(*args)
+        verify()  # raises before anyone sees `out`: no gradient or update comes of a mismatch
+        return out
 
     return run
 

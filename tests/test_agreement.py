@@ -19,7 +19,30 @@ RAISES = {
     "branch": (2, ["traced different programs", "depends on the rank"]),
     "buffer": (2, ["_buffers['shift']", "differs between rank 0 and rank 1"]),
     "mesh2d_same_dp_differs": (4, ["sharded over mesh dims [0]", "differs between rank 0 and rank 1"]),
+    # Data parallel: the forward has no collective and runs before the check's verdict.
+    "dp_python_scalar": (2, ["traced different programs", "depends on the rank"]),
+    "dp_buffer": (2, ["_buffers['shift']", "differs between rank 0 and rank 1"]),
 }
+
+
+class _Recorder:
+    """An input check that records when it posts and when it verifies."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def post(self, args):
+        self.events.append("post")
+        return lambda: self.events.append("verify")
+
+
+@pytest.mark.parametrize("communicates,order", [(True, ["post", "verify", "run"]), (False, ["post", "run", "verify"])])
+def test_only_a_forward_without_collectives_runs_before_the_verdict(communicates, order):
+    from torch_hca.backends.pipeline import _agreed
+
+    events = []
+    run = _agreed(lambda *a: events.append("run") or "out", _Recorder(events), communicates)
+    assert run(1) == "out" and events == order
 
 
 @pytest.mark.parametrize("name", sorted(RAISES))

@@ -4,8 +4,10 @@ The layout solver and the timeline use `torch_hca.spmd.cost_model.CostModel`; it
 defaults are rough. This measures, on the current process group and device:
 
   * latency: an all_gather and an all_reduce of 4 bytes, whose difference
-    separates the per-round ``alpha_s`` from the per-call ``launch_s``
-    (ring rounds: n-1 against 2(n-1));
+    separates the per-round ``alpha_s`` (ring rounds: n-1 against 2(n-1));
+    ``launch_s`` is the 4-byte all_gather issued right after a compute burst on
+    every rank (median): inside a step the ranks arrive apart, and that wait is
+    what each synchronous collective pays;
   * bandwidth: an all_reduce of 4 MiB, less the latency, over its ring wire bytes;
   * compute: a training step of a small MLP (4 x Linear(256, 256) + ReLU on 256 rows,
     forward and backward: 11 matmuls' FLOPs over its median time, so the rate includes
@@ -65,6 +67,21 @@ def _median_s(fn: Callable[[], None], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
+
+
+def _after_compute_s(collective: Callable[[], None], compute: Callable[[], None], sync: Callable[[], None],
+                     repeats: int) -> float:
+    """The median time of `collective` issued right after `compute` on every rank (the
+    compute untimed): what a collective in a training step pays, skew between ranks included."""
+    times = []
+    for _ in range(repeats + 1):
+        compute()
+        sync()
+        start = time.perf_counter()
+        collective()
+        sync()
+        times.append(time.perf_counter() - start)
+    return sorted(times[1:])[len(times[1:]) // 2]
 
 
 def _mlp_step(device: torch.device) -> tuple[Callable[[], None], float]:
@@ -159,12 +176,15 @@ def _measure(repeats: int) -> dict[str, float]:
     step, step_flops = _mlp_step(device)
     dist.barrier()
     step_s = _median_s(lambda: (step(), sync()), max(repeats // 2, 3))
+    synced_s = _after_compute_s(lambda: dist.all_gather_into_tensor(out, tiny), step, sync, max(repeats // 2, 3))
     op_s = _op_s(device)
     src, dst = torch.randn(2 ** 22, device=device), torch.empty(2 ** 22, device=device)
     copy_s = timed(lambda: dst.copy_(src))
 
     alpha = max(reduce_s - gather_s, 0.0) / max(n - 1, 1)
-    launch = max(gather_s - alpha * (n - 1), 0.0)
+    # What a collective costs inside a step, not back to back: the ranks reach it at different
+    # times after compute, and the first waits for the last.
+    launch = max(synced_s - alpha * (n - 1), 0.0)
     wire = RULES[Kind.ALL_REDUCE].wire_bytes(big.numel() * 4, n)
     figures = torch.tensor([
         launch, alpha,

@@ -15,6 +15,7 @@ import collections
 import datetime
 import itertools
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
@@ -44,30 +45,50 @@ def exchange(topic: str, text: str, peers: Iterable[int], what: str, timeout_s: 
     ``what`` names the check in the error a missing peer raises. Every rank
     must call this for a topic the same number of times.
     """
-    from .mesh import timeout_s as mesh_timeout_s
+    return post(topic, text, peers).collect(what, timeout_s)
 
-    timeout = mesh_timeout_s() if timeout_s is None else timeout_s
+
+@dataclass
+class Posted:
+    """One rank's post of one round, whose peers' texts `collect` waits for."""
+
+    topic: str
+    prefix: str
+    peers: list[int]
+
+    def collect(self, what: str, timeout_s: float | None = None) -> dict[int, str]:
+        """Each peer's text of this round (waiting for them); a peer that never posts is a
+        CheckError after the mesh's timeout, naming it."""
+        from .mesh import timeout_s as mesh_timeout_s
+
+        timeout = mesh_timeout_s() if timeout_s is None else timeout_s
+        store, rank = default_store(), dist.get_rank()
+        keys = [self.prefix + str(r) for r in self.peers]
+        before = store.timeout
+        store.set_timeout(datetime.timedelta(seconds=timeout))  # client-side: no round trip
+        try:
+            values = store.multi_get(keys) if keys else []  # waits for every key: one round trip
+        except Exception as e:
+            store.set_timeout(before)
+            late = [r for r, k in zip(self.peers, keys) if not store.check([k])]
+            raise CheckError(
+                f"{what}: rank(s) {late or self.peers} did not get there within {timeout:.0f} s (rank {rank} did). "
+                "Either they are late (still starting, compiling or in a long step: raise the timeout with "
+                "hca.init_mesh(timeout=...)) or they run a different program (another plan, input or branch)"
+            ) from e
+        store.set_timeout(before)
+        texts = {r: v.decode() for r, v in zip(self.peers, values)}
+        # Every peer has posted this round, so each has read our previous key.
+        if self.topic in _previous:
+            store.delete_key(_previous[self.topic])
+        _previous[self.topic] = self.prefix + str(rank)
+        return texts
+
+
+def post(topic: str, text: str, peers: Iterable[int]) -> Posted:
+    """Post `text` under `topic` for this round without waiting: `collect` reads the peers' later,
+    so that work in between hides the wait (the input check runs the forward meanwhile)."""
     store, rank = default_store(), dist.get_rank()
     prefix = f"hca/{topic}/{next(_rounds[topic])}/"
     store.set(prefix + str(rank), text)
-    peers = sorted(set(peers) - {rank})
-    keys = [prefix + str(r) for r in peers]
-    before = store.timeout
-    store.set_timeout(datetime.timedelta(seconds=timeout))  # client-side: no round trip
-    try:
-        values = store.multi_get(keys) if keys else []  # waits for every key: one round trip
-    except Exception as e:
-        store.set_timeout(before)
-        late = [r for r, k in zip(peers, keys) if not store.check([k])]
-        raise CheckError(
-            f"{what}: rank(s) {late or peers} did not get there within {timeout:.0f} s (rank {rank} did). "
-            "Either they are late (still starting, compiling or in a long step: raise the timeout with "
-            "hca.init_mesh(timeout=...)) or they run a different program (another plan, input or branch)"
-        ) from e
-    store.set_timeout(before)
-    texts = {r: v.decode() for r, v in zip(peers, values)}
-    # Every peer has posted this round, so each has read our previous key.
-    if topic in _previous:
-        store.delete_key(_previous[topic])
-    _previous[topic] = prefix + str(rank)
-    return texts
+    return Posted(topic, prefix, sorted(set(peers) - {rank}))
