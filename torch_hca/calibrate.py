@@ -16,16 +16,20 @@ defaults are rough. This measures, on the current process group and device:
 
 Ranks measure different numbers, and the solver must make the same choice on
 every rank, so rank 0's figures are broadcast and every rank returns them.
-Use the result as ``options={"cost_model": hca.calibrate()}``.
+Use the result as ``options={"cost_model": hca.calibrate()}``, or cache it:
 
 ``hca.calibrate(cache=True)`` measures once per machine: it returns the figures
 cached for (rank 0's host, world size, backend, torch version) when there are
 some (`torch_hca.spmd.cost_model.cached_calibration`; rank 0 reads, every rank gets
 its answer), else measures and stores them; ``refresh=True`` measures again.
+The compiler starts from the cached figures by itself
+(`torch_hca.spmd.cost_model.base_model`); ``python -m torch_hca calibrate`` fills the
+cache from local gloo ranks.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -40,25 +44,9 @@ from .mesh import current_mesh
 FIELDS = ("launch_s", "alpha_s", "bytes_per_s", "flops_per_s", "memory_bytes_per_s", "op_s")
 
 
-def _best_s(fn: Callable[[], None], repeats: int) -> float:
-    """The fastest of `repeats` runs after three warm-ups.
-
-    The fastest, not the median: on a shared machine the slow runs measure the
-    other jobs (one median-of-7 launch latency came out 13x the usual here).
-    """
-    for _ in range(3):  # first-call set-up (connections, allocations) is not what a step pays
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def _median_s(fn: Callable[[], None], repeats: int) -> float:
-    """The median of `repeats` runs after three warm-ups: for compute, which a step pays
-    at its typical speed, not its best."""
+def _times(fn: Callable[[], None], repeats: int) -> list[float]:
+    """Seconds of `repeats` runs of `fn`, after three warm-ups: first-call set-up
+    (connections, allocations) is not what a step pays."""
     for _ in range(3):
         fn()
     times = []
@@ -66,7 +54,21 @@ def _median_s(fn: Callable[[], None], repeats: int) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return times
+
+
+def _best_s(fn: Callable[[], None], repeats: int) -> float:
+    """The fastest of `repeats` runs.
+
+    The fastest, not the median: on a shared machine the slow runs measure the
+    other jobs (one median-of-7 launch latency came out 13x the usual here).
+    """
+    return min(_times(fn, repeats))
+
+
+def _median_s(fn: Callable[[], None], repeats: int) -> float:
+    """The median of `repeats` runs: for compute, which a step pays at its typical speed, not its best."""
+    return statistics.median(_times(fn, repeats))
 
 
 def _after_compute_s(collective: Callable[[], None], compute: Callable[[], None], sync: Callable[[], None],
@@ -81,7 +83,7 @@ def _after_compute_s(collective: Callable[[], None], compute: Callable[[], None]
         collective()
         sync()
         times.append(time.perf_counter() - start)
-    return sorted(times[1:])[len(times[1:]) // 2]
+    return statistics.median(times[1:])
 
 
 def _mlp_step(device: torch.device) -> tuple[Callable[[], None], float]:
