@@ -513,6 +513,7 @@ def test_exposed_communication_estimate_is_at_least_halved(fake_pg, storage):
     assert kinds == ({"all_reduce"} if storage == "data_parallel" else {"all_gather", "reduce_scatter"})
     t = rep.timeline()
     assert t.after.exposed_comm_s <= t.before.exposed_comm_s / 2, t.summary()
-    # Same work plus the buckets' copies in and out; the step still gets shorter.
-    assert t.before.compute_s <= t.after.compute_s <= 1.15 * t.before.compute_s
+    # Same work plus the buckets' copies in and out (none, where the timeline found unmerged
+    # collectives started early faster); the step still gets shorter.
+    assert t.before.compute_s * (1 - 1e-9) <= t.after.compute_s <= 1.15 * t.before.compute_s
     assert t.after.total_s < t.before.total_s

@@ -237,3 +237,12 @@ def test_save_png_writes_an_image(tmp_path):
     path = tmp_path / "step.png"
     sample().save_png(path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sync_is_paid_per_collective_but_does_not_grow_buckets():
+    """sync_s (ranks arriving apart after compute) costs each collective; merging collectives
+    into a bucket saves transfers, not that wait, so the bucket size ignores it."""
+    base = cost_model("gloo")
+    synced = CostModel(**{**base.as_dict(), "sync_s": 2e-3})
+    assert close(synced.collective_s(Kind.ALL_REDUCE, 1024, 2), base.collective_s(Kind.ALL_REDUCE, 1024, 2) + 2e-3)
+    assert synced.bucket_cap_bytes(2) == pytest.approx(base.bucket_cap_bytes(2))

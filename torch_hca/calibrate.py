@@ -4,10 +4,11 @@ The layout solver and the timeline use `torch_hca.spmd.cost_model.CostModel`; it
 defaults are rough. This measures, on the current process group and device:
 
   * latency: an all_gather and an all_reduce of 4 bytes, whose difference
-    separates the per-round ``alpha_s`` (ring rounds: n-1 against 2(n-1));
-    ``launch_s`` is the 4-byte all_gather issued right after a compute burst on
-    every rank (median): inside a step the ranks arrive apart, and that wait is
-    what each synchronous collective pays;
+    separates the per-round ``alpha_s`` from the per-call ``launch_s``
+    (ring rounds: n-1 against 2(n-1));
+  * ``sync_s``: the 4-byte all_gather issued right after a compute burst on
+    every rank (median), less ``launch_s``: inside a step the ranks arrive
+    apart, and the first waits for the last;
   * bandwidth: an all_reduce of 4 MiB, less the latency, over its ring wire bytes;
   * compute: a training step of a small MLP (4 x Linear(256, 256) + ReLU on 256 rows,
     forward and backward: 11 matmuls' FLOPs over its median time, so the rate includes
@@ -41,7 +42,7 @@ from .spmd.cost_model import cached_calibration, store_calibration
 from .errors import HCAError, MeshError
 from .mesh import current_mesh
 
-FIELDS = ("launch_s", "alpha_s", "bytes_per_s", "flops_per_s", "memory_bytes_per_s", "op_s")
+FIELDS = ("launch_s", "alpha_s", "bytes_per_s", "flops_per_s", "memory_bytes_per_s", "op_s", "sync_s")
 
 
 def _times(fn: Callable[[], None], repeats: int) -> list[float]:
@@ -184,16 +185,17 @@ def _measure(repeats: int) -> dict[str, float]:
     copy_s = timed(lambda: dst.copy_(src))
 
     alpha = max(reduce_s - gather_s, 0.0) / max(n - 1, 1)
-    # What a collective costs inside a step, not back to back: the ranks reach it at different
-    # times after compute, and the first waits for the last.
-    launch = max(synced_s - alpha * (n - 1), 0.0)
+    launch = max(gather_s - alpha * (n - 1), 0.0)
+    # What the same collective costs right after compute, beyond its transfer: the ranks reach
+    # it at different times, and the first waits for the last.
+    sync = max(synced_s - gather_s, 0.0)
     wire = RULES[Kind.ALL_REDUCE].wire_bytes(big.numel() * 4, n)
     figures = torch.tensor([
         launch, alpha,
         wire / max(big_s - reduce_s, 1e-9),
         step_flops / step_s,
         2 * src.numel() * 4 / copy_s,  # read and write
-        op_s,
+        op_s, sync,
     ], dtype=torch.float64, device=device)
     dist.broadcast(figures, src=0)
     return dict(zip(FIELDS, (float(x) for x in figures.tolist())))

@@ -2,10 +2,13 @@
 
 A collective of kind k on a payload of S bytes over n ranks costs
 
-    launch + alpha * steps(k, n) + wire_bytes(k, S, n) / bandwidth
+    launch + sync + alpha * steps(k, n) + wire_bytes(k, S, n) / bandwidth
 
 where ``wire_bytes`` is the ring model of `collective_kinds` (what one rank
-sends) and ``steps`` the number of ring rounds. An op costs
+sends) and ``steps`` the number of ring rounds. ``sync`` is what a collective
+inside a step pays on top of its transfer: the ranks reach it apart after
+compute, and the first waits for the last (work issued meanwhile hides it,
+like the transfer; bucketing does not save it, so the bucket size ignores it). An op costs
 ``max(flops / flops_per_s, bytes touched / memory_bytes_per_s)``, and the host
 ``op_s`` to issue it (Python, FX, the dispatcher: what a small op costs).
 
@@ -20,6 +23,7 @@ calibrate them for a cluster with ``options={"cost_model": {...}}``:
 | flops_per_s        | 20e9            | 50e12       |
 | memory_bytes_per_s | 10e9            | 3e12        |
 | op_s               | 5e-6            | 5e-6        |
+| sync_s             | 0               | 0           |
 
 Figures measured once per machine are kept on disk: ``hca.calibrate(cache=True)``
 (or ``python -m torch_hca calibrate``) stores them in ``calibration.json`` under
@@ -68,13 +72,15 @@ class CostModel:
     flops_per_s: float
     memory_bytes_per_s: float
     op_s: float = 5e-6  # host seconds to issue one op of the program
+    sync_s: float = 0.0  # seconds a collective after compute waits for the slowest rank
 
     def collective_s(self, kind: Kind, payload_bytes: float, n: int) -> float:
         """Seconds for one collective of `kind` on `payload_bytes` over `n` ranks."""
         steps = ring_steps(kind, n)
         if steps == 0:
             return 0.0
-        return self.launch_s + self.alpha_s * steps + RULES[kind].wire_bytes(payload_bytes, n) / self.bytes_per_s
+        return (self.launch_s + self.sync_s + self.alpha_s * steps
+                + RULES[kind].wire_bytes(payload_bytes, n) / self.bytes_per_s)
 
     def bandwidth_s(self, kind: Kind, payload_bytes: float, n: int) -> float:
         """The bandwidth term alone: a collective merged into a bucket shares its latency."""
@@ -96,7 +102,7 @@ class CostModel:
         """
         if n <= 1:
             return float("inf")
-        latency = self.collective_s(Kind.ALL_REDUCE, 0, n)
+        latency = self.collective_s(Kind.ALL_REDUCE, 0, n) - self.sync_s  # merging saves transfers, not the wait
         wire_per_byte = RULES[Kind.ALL_REDUCE].wire_bytes(1.0, n)
         return latency * (1 - latency_share) / latency_share * self.bytes_per_s / wire_per_byte
 
@@ -150,7 +156,7 @@ def with_overrides(model: CostModel, overrides: Mapping[str, Any] | None) -> Cos
     if unknown:
         raise OptionsError(f"options['cost_model']: unknown field(s) {unknown}; the fields are {sorted(fields)}")
     for key, value in overrides.items():
-        latency = key in ("launch_s", "alpha_s", "op_s")  # may be 0; rates may not
+        latency = key in ("launch_s", "alpha_s", "op_s", "sync_s")  # may be 0; rates may not
         if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
                 or value < 0 or (value == 0 and not latency)):
             raise OptionsError(
