@@ -58,7 +58,6 @@ from torch_hca._torch_private import copy_graph_module, group_size
 from torch_hca.spmd.collective_kinds import OPS, WAIT, node_group, node_payload
 from torch_hca.errors import CheckError
 from torch_hca.schedule_check import ScheduleSummary, check_reorder
-from torch_hca.timeline import estimate
 
 from .buckets import bucket_collectives
 from .events import is_start, is_view, late_nodes, waits_of, written
@@ -95,7 +94,7 @@ class SchedulePass:
         moved = {"starts_earlier": 0, "waits_later": 0, "waits_forced": 0}
         bucketed, reordered = before, False
         if opts.schedule:
-            buckets = bucket_collectives(gm.graph, self.which, _bucket_cap(gm, ctx, self.which))
+            buckets = bucket_collectives(gm.graph, self.which, _bucket_cap(gm, ctx))
             bucketed = copy_graph_module(gm) if buckets else before
             traced = list(gm.graph.nodes)
             order, forced = plan_order(gm.graph, opts.max_in_flight_mb * MB)
@@ -118,34 +117,14 @@ class SchedulePass:
         return PassResult(gm, bool(buckets) or reordered, decisions)
 
 
-def _bucket_cap(gm: fx.GraphModule, ctx: PassContext, which: str) -> float:
-    """Bytes per bucket: the option, else the cap whose schedule the cost model's timeline
-    plays fastest among the latency rule's (`CostModel.bucket_cap_bytes`, for the largest
-    group here) and its halves down to 1/8.
-
-    The latency rule alone can put every gradient in one bucket, issued when the last
-    gradient is ready: nothing left to hide it behind. Smaller buckets start earlier; the
-    timeline weighs that against their extra latency. Ties keep the larger cap.
-    """
+def _bucket_cap(gm: fx.GraphModule, ctx: PassContext) -> float:
+    """Bytes per bucket: the option, or the cost model's choice for the largest group here."""
     if ctx.options.bucket_cap_mb is not None:
         return ctx.options.bucket_cap_mb * MB
     sizes = [group_size(node_group(n)) for n in gm.graph.nodes
              if n.op == "call_function" and n.target in OPS]
     device = (ctx.report.mesh or {}).get("device_type", "cpu")
-    costs = ctx.options.costs(device)
-    rule = costs.bucket_cap_bytes(max(sizes, default=1))
-    if len(sizes) < 2 or rule == float("inf"):
-        return rule
-    best, best_s = rule, None
-    for cap in (rule, rule / 2, rule / 4, rule / 8):
-        trial = copy_graph_module(gm)
-        bucket_collectives(trial.graph, which, cap)
-        order, _ = plan_order(trial.graph, ctx.options.max_in_flight_mb * MB)
-        apply_order(trial.graph, order)
-        seconds = estimate([(which, trial)], costs).total_s
-        if best_s is None or seconds < best_s * (1 - 1e-6):
-            best, best_s = cap, seconds
-    return best
+    return ctx.options.costs(device).bucket_cap_bytes(max(sizes, default=1))
 
 
 # ---------------------------------------------------------------- the model
