@@ -90,7 +90,7 @@ class LayoutPass:
             # Divisibility of a symbolic size is unknown: keep DTensor's choices.
             ctx.report.layout = {"solver": f"none (dynamic shapes: {symbolic} has a symbolic size; DTensor's per-op choices kept)"}
             return []
-        model = ctx.options.costs(mesh.device_type)
+        model, source = ctx.options.costs_and_source(mesh.device_type)
         start = time.perf_counter()
         try:
             ops = layout_candidates.build_ops(gm, mesh, model, _storage_of)
@@ -108,7 +108,7 @@ class LayoutPass:
         ctx.report.layout = {
             "solver": solution.solver, "status": solution.status, "objective_s": solution.objective_s,
             "bound_s": solution.bound_s, "seconds": solution.seconds, "cost_model": model.as_dict(),
-            "cost_model_source": ctx.options.costs_source(mesh.device_type),
+            "cost_model_source": source,
             "strategies": sum(len(op.strategies) for op in ops), "values": solution.explain,
             "probe_seconds": solution_start - start,
         }

@@ -191,11 +191,7 @@ def bert() -> Built:
 def test_transformer() -> Built:
     """torch's own DTensor test model: learned positions, causal SDPA, LayerNorm, GELU MLP,
     output tied to the token embeddings (ModelArgs' default ``weight_tying=True``)."""
-    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
-
-    args = ModelArgs(n_layers=TT_LAYERS, vocab_size=VOCAB, max_seq_len=SEQ, dim=32, n_heads=4,
-                     dropout_p=0.0, use_attn_mask=True, weight_tying=True)
-    model = Transformer(args)
+    model = zoo.torch_transformer(layers=TT_LAYERS, vocab=VOCAB, seq=SEQ, dim=32, heads=4)
     assert model.output.weight is model.tok_embeddings.weight
     return model, token_inputs, lm_loss
 

@@ -138,12 +138,6 @@ class InputAgreement:
         self.calls = 0
         self._coordinates: dict[int, tuple[int, ...]] | None = None
 
-    def __call__(self, args: list[Any]) -> None:
-        """Check now: post this rank's view and compare it with every peer's."""
-        verify = self.post(args)
-        if verify is not None:
-            verify()
-
     def post(self, args: list[Any]) -> Callable[[], None] | None:
         """Post this rank's view of the call without waiting; the returned `verify()` waits for
         the peers' and raises on a difference (None: nothing to check on this call).

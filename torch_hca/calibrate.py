@@ -30,6 +30,7 @@ cache from local gloo ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -38,11 +39,12 @@ import torch
 import torch.distributed as dist
 
 from .spmd.collective_kinds import RULES, Kind
-from .spmd.cost_model import cached_calibration, store_calibration
+from .spmd.cost_model import CostModel, cached_calibration, store_calibration
 from .errors import HCAError, MeshError
 from .mesh import current_mesh
 
-FIELDS = ("launch_s", "alpha_s", "bytes_per_s", "flops_per_s", "memory_bytes_per_s", "op_s", "sync_s")
+# The figures, in the order they are broadcast: the cost model's fields.
+FIELDS = tuple(f.name for f in dataclasses.fields(CostModel))
 
 
 def _times(fn: Callable[[], None], repeats: int) -> list[float]:

@@ -142,11 +142,14 @@ class Options:
         )
 
     def costs(self, device_type: str) -> CostModel:
-        """The cost model for a mesh on `device_type`: this host's cached calibration, else
-        the defaults (`base_model`), with this compile's overrides."""
-        return with_overrides(base_model(backend_for(device_type))[0], dict(self.cost_model))
+        """The cost model for a mesh on `device_type` (`costs_and_source`)."""
+        return self.costs_and_source(device_type)[0]
 
-    def costs_source(self, device_type: str) -> str:
-        """Where `costs` starts from: "calibrated <when>" or "defaults" (+ "with overrides")."""
-        source = base_model(backend_for(device_type))[1]
-        return source + (f" with overrides of {', '.join(k for k, _ in self.cost_model)}" if self.cost_model else "")
+    def costs_and_source(self, device_type: str) -> tuple[CostModel, str]:
+        """The cost model for a mesh on `device_type`: this host's cached calibration, else the
+        defaults (`base_model`), with this compile's overrides; and where it came from
+        ("calibrated <when>" or "defaults", + "with overrides of ...")."""
+        base, source = base_model(backend_for(device_type))
+        if self.cost_model:
+            source += f" with overrides of {', '.join(k for k, _ in self.cost_model)}"
+        return with_overrides(base, dict(self.cost_model)), source

@@ -102,7 +102,8 @@ class CostModel:
         """
         if n <= 1:
             return float("inf")
-        latency = self.collective_s(Kind.ALL_REDUCE, 0, n) - self.sync_s  # merging saves transfers, not the wait
+        # Merging saves transfers' latency, not the ranks' wait for each other (sync_s).
+        latency = self.launch_s + self.alpha_s * ring_steps(Kind.ALL_REDUCE, n)
         wire_per_byte = RULES[Kind.ALL_REDUCE].wire_bytes(1.0, n)
         return latency * (1 - latency_share) / latency_share * self.bytes_per_s / wire_per_byte
 
