@@ -25,7 +25,8 @@ from torch.distributed.tensor import DTensor
 
 from torch_hca import dtensor_ops, layout_candidates, layout_solver
 from torch_hca._torch_private import (
-    RedistributionEvent, fake_dtensor_work, graph_arg_example, record_implicit_redistributions,
+    RedistributionEvent, fake_dtensor_work, graph_arg_example, is_mask_partial, mask_buffer_states,
+    record_implicit_redistributions,
 )
 from torch_hca.spmd.collective_kinds import move_kind
 from torch_hca.spmd.placements import letter
@@ -150,9 +151,13 @@ class LayoutPass:
                 continue
             if node.op == "output":
                 break
+            restore_masks = mask_buffer_states(env.get(n) for n in node.all_input_nodes)
             with record_implicit_redistributions() as events:
                 value = _execute(gm, node, env)
-            if events:
+            # DTensor masks a vocabulary-sharded embedding's indices (R -> _MaskPartial) inside the
+            # op, with a placement object the op itself makes: no explicit move can stand for it.
+            if events and not any(is_mask_partial(p) for e in events for p in e.dst.placements):
+                restore_masks()  # the moves below reduce the same masked partials again
                 moves = _attribute(node, env, events)
                 for src, placements in moves.items():
                     with graph.inserting_before(node):
@@ -165,17 +170,17 @@ class LayoutPass:
                     decisions.append(f"{moved.name}: {src.name} {layout_str(env[src].placements)} -> {layout_str(placements)} for {node.name}")
                 with record_implicit_redistributions() as events:
                     value = _execute(gm, node, env)
-                for e in events:
-                    msg = f"{node.name}: {_describe(e)}"
-                    ctx.report.implicit_redistributions.append(msg)
-                    if ctx.options.strict:
-                        raise UnsupportedError(
-                            f"layout pass: DTensor redistributes implicitly inside {msg} "
-                            f"(source: {node.meta.get('stack_trace', '?').strip().splitlines()[-1:]}); "
-                            "no explicit node can express it yet"
-                        )
-            elif node.op == "call_method" and node.target == "redistribute":
+            elif not events and node.op == "call_method" and node.target == "redistribute":
                 self._record(ctx, node, node.args[0], env[node.args[0]].placements, tuple(value.placements), "explicit in the program")
+            for e in events:
+                msg = f"{node.name}: {_describe(e)}"
+                ctx.report.implicit_redistributions.append(msg)
+                if ctx.options.strict:
+                    raise UnsupportedError(
+                        f"layout pass: DTensor redistributes implicitly inside {msg} "
+                        f"(source: {node.meta.get('stack_trace', '?').strip().splitlines()[-1:]}); "
+                        "no explicit node can express it yet"
+                    )
             env[node] = node.meta["example_value"] = value  # later passes read the layouts chosen here
             meta = _value_meta(value)
             if meta is not None:

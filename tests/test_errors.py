@@ -314,6 +314,28 @@ def test_bad_options_through_torch_compile(fake_pg, options, message):
     assert re.search(rf"backend 'hca': {message}", str(inner)), str(inner)
 
 
+def test_a_failure_dynamo_would_answer_with_a_graph_break_is_an_error(fake_pg, monkeypatch):
+    """Dynamo turns some backend exceptions (fake tensors missing data) into a graph break and a
+    warning, and runs the rest outside the backend; hca raises instead, naming the cause."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    from torch_hca.passes.layout import LayoutPass
+
+    def needs_data(self, gm, ctx):
+        raise DataDependentOutputException(torch.ops.aten.equal.default)
+
+    monkeypatch.setattr(LayoutPass, "run", needs_data)
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP()), backend="hca")
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        compiled(torch.randn(8, 16))
+    inner = info.value.inner_exception
+    assert isinstance(inner, hca.UnsupportedError)
+    assert "DataDependentOutputException: aten.equal.default" in str(inner)
+    assert isinstance(inner.__cause__, DataDependentOutputException)
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
 # --------------------------------------------------------------- launch and report
 
 

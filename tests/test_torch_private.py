@@ -187,6 +187,31 @@ def test_redistribute_to_partial(fake_pg):
     assert tp.redistribute_to_partial(half, (Partial("sum"),)).dtype == torch.bfloat16
 
 
+def test_dynamo_fallback_exceptions():
+    from torch._subclasses.fake_tensor import DataDependentOutputException, UnsupportedFakeTensorException
+
+    kinds = tp.dynamo_fallback_exceptions()
+    assert DataDependentOutputException in kinds and UnsupportedFakeTensorException in kinds
+    assert RuntimeError not in kinds  # any other backend error stays an error
+
+
+def test_mask_partial_and_its_buffer_states(fake_pg):
+    # A vocabulary-sharded embedding: DTensor masks the indices and leaves a _MaskPartial.
+    weight = distribute_tensor(torch.randn(8, 4), fake_pg, [Shard(0)])
+    ids = distribute_tensor(torch.tensor([0, 5, 7]), fake_pg, [Replicate()])
+    out = torch.nn.functional.embedding(ids, weight)
+    (placement,) = out.placements
+    assert tp.is_mask_partial(placement) and placement.is_partial()
+    assert not tp.is_mask_partial(Partial("sum")) and not tp.is_mask_partial(Replicate())
+
+    restore = tp.mask_buffer_states([out, weight, None])
+    out.redistribute(fake_pg, [Replicate()])  # the reduction uses the mask up
+    with pytest.raises((AssertionError, RuntimeError)):
+        out.redistribute(fake_pg, [Replicate()])
+    restore()
+    assert out.redistribute(fake_pg, [Replicate()]).shape == (3, 4)  # the mask is back
+
+
 def test_clear_dtensor_sharding_cache_keeps_parameters_on_the_new_mesh():
     """After a process group is made again, new DTensors live on the new mesh, not a cached dead one."""
     from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -159,6 +159,41 @@ def fake_mode_of(values):
     return None
 
 
+def dynamo_fallback_exceptions() -> tuple[type[BaseException], ...]:
+    """The backend exceptions Dynamo answers with a graph break (a warning) instead of an error."""
+    from torch._dynamo.exc import exceptions_allowed_to_be_fallback
+
+    return tuple(exceptions_allowed_to_be_fallback)
+
+
+def is_mask_partial(placement) -> bool:
+    """DTensor's `_MaskPartial`: the vocabulary-sharded embedding's partial, which carries the
+    mask of the indices it masked (mutable state shared by the placement objects)."""
+    from torch.distributed.tensor.placement_types import _MaskPartial
+
+    return isinstance(placement, _MaskPartial)
+
+
+def mask_buffer_states(values) -> Callable[[], None]:
+    """Snapshot the mask state of every `_MaskPartial` these DTensors carry; call the result
+    to put it back.
+
+    Reducing a `_MaskPartial` value consumes its mask. A pass that runs an op once only to
+    see what DTensor would move, and then runs it again, must give the second run the mask.
+    """
+    states = []
+    for v in values:
+        for p in getattr(v, "placements", ()):
+            if is_mask_partial(p):
+                states.append((p.mask_buffer, p.mask_buffer.data, p.mask_buffer.refcount))
+
+    def restore() -> None:
+        for buffer, data, refcount in states:
+            buffer.data, buffer.refcount = data, refcount
+
+    return restore
+
+
 def redistribute_to_partial(x, placements):
     """`x.redistribute(...)` allowing a move to Partial (R -> P, no communication).
 

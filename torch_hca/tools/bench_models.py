@@ -43,7 +43,7 @@ _SCHEDULE_KINDS = ("dp", "fsdp")
 # Is tensor parallelism faster than one device, and than the expert plan under Inductor? Asked on
 # torch's test Transformer (each Inductor compile costs the smoke test ~10 s per model).
 _ONE_DEVICE_QUESTION = ("expert_inductor", "single_inductor")
-_DTENSOR_RUN = ("hca_dtensor_layout", "dtensor_eager", "dtensor_inductor")  # DTensor runs the forward as written
+_DTENSOR_RUN = ("dtensor_eager", "dtensor_inductor")  # DTensor runs the forward as written
 
 
 def _square_loss(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -61,8 +61,8 @@ class Spec:
     # The full batch's loss from the losses of its row shards: "sum" (their sum),
     # "mean" (their mean, equal shards), or None (a batch split is not the same training).
     split_loss: str | None = "sum"
-    # Whether DTensor runs the model's forward as written (dtensor_eager, dtensor_inductor and
-    # hca's layout="dtensor" need every value made in forward to be a DTensor).
+    # Whether DTensor runs the model's forward as written (dtensor_eager and dtensor_inductor need
+    # every value made in forward to be a DTensor; hca's layout="dtensor" makes them so).
     dtensor_runs: bool = True
 
     def rows(self) -> int:
@@ -91,8 +91,7 @@ def specs(tiny: bool = False) -> dict[str, Spec]:
         "tt": Spec("tt", "tp", lambda: zoo.torch_transformer(**tt), zoo.TP_TEST_TRANSFORMER,
                    lambda g: torch.randint(0, tt["vocab"], (bs, tt["seq"]), generator=g), zoo.lm_loss, "mean",
                    # forward's `pos = torch.arange(...)` is a plain tensor into the sharded position
-                   # embedding: DTensor raises "got mixed torch.Tensor and DTensor" (docs/bench.md;
-                   # layout="dtensor" first trips on the embeddings' _MaskPartial, a known bug).
+                   # embedding: DTensor raises "got mixed torch.Tensor and DTensor" (docs/bench.md).
                    dtensor_runs=False),
         # Enough rows that data parallelism beats gathering the batch and replicating the
         # work (with few rows the layout solver would rather gather: docs/layout.md).
