@@ -23,7 +23,7 @@ from . import zoo
 
 CONTESTANTS = ("hca", "hca_inductor", "hca_noschedule", "hca_dtensor_layout", "hca_dp", "dtensor_eager",
                "dtensor_inductor", "expert", "expert_inductor", "ddp", "fsdp2", "single_inductor")
-MODELS = ("mlp", "block", "lm", "tt", "dp", "fsdp")
+MODELS = ("mlp", "block", "lm", "tt", "dp", "dp512", "fsdp")
 LR = 1e-3
 # The other layouts hca could have chosen, each compiled by hca: `regret` is hca's step over the
 # fastest. The expert plans' storage is hca's plan on every tensor-parallel model (a test checks),
@@ -80,6 +80,7 @@ def specs(tiny: bool = False) -> dict[str, Spec]:
         dict(vocab=512, dim=128, heads=4, hidden=512, layers=4)
     bs, seq = (2, 8) if tiny else (8, 64)
     depth = 3 if tiny else 12  # the dp and fsdp models' layers
+    wide, wide_rows = (d, b) if tiny else (512, 64)  # dp512's width and batch
     tt = dict(layers=1, vocab=64, seq=8, dim=16, heads=4) if tiny else dict(layers=4, vocab=512, seq=64, dim=256, heads=8)
     return {
         "mlp": Spec("mlp", "tp", lambda: zoo.MLP(d, h), zoo.MEGATRON_MLP, _randn(b, d)),
@@ -96,6 +97,9 @@ def specs(tiny: bool = False) -> dict[str, Spec]:
         # Enough rows that data parallelism beats gathering the batch and replicating the
         # work (with few rows the layout solver would rather gather: docs/layout.md).
         "dp": Spec("dp", "dp", lambda: zoo.DeepMLP(d, depth), {}, _randn(16 * b, d)),
+        # 24 tensors of Linear(512, 512) at 64 rows: reducing the gradients sends more bytes than
+        # moving the activations would, in fewer collectives (the layout solver must weigh both).
+        "dp512": Spec("dp512", "dp", lambda: zoo.DeepMLP(wide, depth), {}, _randn(wide_rows, wide)),
         # A batch larger than a layer's weights, so gathering the weights (FSDP) is the
         # cheaper layout; with fewer rows the layout solver gathers activations instead.
         "fsdp": Spec("fsdp", "fsdp", lambda: zoo.DeepMLP(d, depth), zoo.FSDP_PLAN, _randn(16 * b, d)),

@@ -1,0 +1,54 @@
+"""`backends.emit`: the eager emitter reduces a bucket in place, and only a bucket.
+
+The functional all_reduce copies its input; `reduce_in_place` drops that copy
+where the input is new memory nothing else reads. Graph-only, on the fake process group.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from torch_hca.backends.emit import emit, reduce_in_place
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def _reduce_graph(source: str, also_returned: bool) -> fx.GraphModule:
+    """all_reduce(buffer) -> wait, where buffer is a cat of the inputs, an input, or a view of a cat."""
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    if source == "cat":
+        buffer = g.call_function(aten.cat.default, ([a, b],))
+    elif source == "input":
+        buffer = a
+    else:  # a view aliases memory someone else may hold
+        buffer = g.call_function(aten.view.default, (g.call_function(aten.cat.default, ([a, b],)), [-1]))
+    reduced = g.call_function(c10d.wait_tensor.default,
+                              (g.call_function(c10d.all_reduce.default, (buffer, "sum", dist.group.WORLD.group_name)),))
+    g.output((reduced, buffer) if also_returned else (reduced,))
+    return fx.GraphModule({}, g)
+
+
+def _targets(gm: fx.GraphModule) -> set:
+    return {n.target for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def test_a_bucket_only_the_reduction_reads_is_reduced_in_place(fake_pg):
+    gm = _reduce_graph("cat", also_returned=False)
+    emitted = reduce_in_place(gm)
+    assert c10d.all_reduce_.default in _targets(emitted) and c10d.all_reduce.default not in _targets(emitted)
+    assert c10d.all_reduce.default in _targets(gm)  # the report's graph is left as the passes made it
+    a, b = torch.randn(3), torch.randn(2)
+    (out,) = emit(gm, [a, b], "eager")([a, b])
+    assert torch.equal(out, torch.cat([a, b]))
+
+
+@pytest.mark.parametrize("source,also_returned", [("cat", True), ("input", False), ("view", False)])
+def test_a_buffer_someone_else_may_read_keeps_the_copy(fake_pg, source, also_returned):
+    gm = _reduce_graph(source, also_returned)
+    assert reduce_in_place(gm) is gm
+    assert c10d.all_reduce_.default not in _targets(gm)
