@@ -1,8 +1,10 @@
 """Emit: turn a checked c10d graph into something callable.
 
-"eager": run the FX graph (boxed calling convention for AOTAutograd), with one
-change Inductor makes too: an all_reduce of a buffer the graph has just made
-for it alone (a bucket) reduces that buffer in place instead of a copy.
+"eager": run the FX graph (boxed calling convention for AOTAutograd), less two
+costs Inductor drops too: an all_reduce of a buffer the graph has just made for
+it alone (a bucket) reduces that buffer in place instead of a copy, and
+`detach` nodes that only ops read (no grad is recorded inside a compiled graph)
+are skipped.
 "inductor": hand the same graph to Inductor, which lowers the
 `_c10d_functional` ops itself.
 """
@@ -19,6 +21,7 @@ from torch_hca._torch_private import copy_graph_module
 
 _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 _ALL_REDUCE_IN_PLACE = torch.ops._c10d_functional.all_reduce_.default
+_DETACH = torch.ops.aten.detach.default
 
 
 def emit(gm: fx.GraphModule, example_inputs: list[Any], inner: str, is_backward: bool = False) -> Callable:
@@ -28,26 +31,39 @@ def emit(gm: fx.GraphModule, example_inputs: list[Any], inner: str, is_backward:
         # Inductor rewrites the graph in place (all_reduce -> all_reduce_); the report
         # keeps the graph the passes emitted.
         return compile_fx_inner(copy_graph_module(gm), example_inputs, is_backward=is_backward)
-    return make_boxed_func(reduce_in_place(gm).forward)
+    return make_boxed_func(eager_graph(gm).forward)
 
 
-def reduce_in_place(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of `gm` whose all_reduces of fresh, otherwise unread buffers run in place.
+def eager_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """What the eager emitter runs: a copy of `gm` without skippable detaches, whose all_reduces
+    of fresh, otherwise unread buffers run in place (`gm` itself, if neither occurs).
 
     The functional all_reduce copies its input first (3 MiB of gradients cost about
-    1 ms on one CPU core); where nothing else reads the input, that copy is waste.
+    1 ms on one CPU core); where nothing else reads the input, that copy is waste. A
+    detach costs a few microseconds of dispatch each, and a backward has dozens.
     The report keeps the graph as the passes emitted it.
     """
-    targets = [n for n in gm.graph.find_nodes(op="call_function", target=_ALL_REDUCE)
-               if _fresh_buffer(n.args[0]) and len(n.args[0].users) == 1]
-    if not targets:
+    if not (_skippable_detaches(gm) or _reductions_in_place(gm)):
         return gm
     gm = copy_graph_module(gm)
-    for node in gm.graph.find_nodes(op="call_function", target=_ALL_REDUCE):
-        if _fresh_buffer(node.args[0]) and len(node.args[0].users) == 1:
-            node.target = _ALL_REDUCE_IN_PLACE
+    for node in _skippable_detaches(gm):
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+    for node in _reductions_in_place(gm):
+        node.target = _ALL_REDUCE_IN_PLACE
     gm.recompile()
     return gm
+
+
+def _skippable_detaches(gm: fx.GraphModule) -> list[fx.Node]:
+    """Detaches only ops read: an output keeps its own tensor (AOTAutograd checks outputs' aliasing)."""
+    return [n for n in gm.graph.find_nodes(op="call_function", target=_DETACH)
+            if n.users and all(u.op == "call_function" for u in n.users)]
+
+
+def _reductions_in_place(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.find_nodes(op="call_function", target=_ALL_REDUCE)
+            if _fresh_buffer(n.args[0]) and len(n.args[0].users) == 1]
 
 
 def _fresh_buffer(node: Any) -> bool:

@@ -27,7 +27,7 @@ from torch_hca.tools.bench import ALTERNATIVES, BREAKDOWN, CONTESTANTS, MODELS, 
 from torch_hca.tools.step_profile import StepProfile
 
 KEYS = {"model", "contestant", "bytes_per_step", "analytic_min_bytes", "collectives", "step_time_s",
-        "compile_time_s", "peak_mem_bytes", "max_grad_rel_err"}
+        "compile_time_s", "peak_mem_bytes", "max_grad_rel_err", "optimizer_time_s"}
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,7 @@ def test_every_model_and_contestant_has_a_complete_record(records):
         assert KEYS <= r.keys(), (r["model"], r["contestant"], KEYS - r.keys())
         assert all(r[k] is not None for k in KEYS), r
         assert r["peak_mem_bytes"] > 0
+        assert 0 < r["optimizer_time_s"] < r["step_time_s"], r  # timed inside the step
         if r["contestant"] == "single_inductor":  # one device's program: nothing to send
             assert r["bytes_per_step"] == 0 and r["collectives"] == 0, r
         else:
@@ -122,6 +123,8 @@ def test_timed_steps_come_in_rounds_and_each_model_has_a_regret(run):
     assert stdout.count("\nregret ") == len(MODELS)
     # The cost model's prediction of hca's step, next to the clock, once per model.
     assert stdout.count("\npredicted ") == len(MODELS) and "the cost model is off by" in stdout
+    # ... of the compiled forward and backward: the step less its optimizer step.
+    assert stdout.count("for forward + backward (the step's ") == len(MODELS)
 
 
 def test_profile_writes_a_trace_per_contestant_and_rank_and_a_breakdown(run):

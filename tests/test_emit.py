@@ -1,7 +1,8 @@
-"""`backends.emit`: the eager emitter reduces a bucket in place, and only a bucket.
+"""`backends.emit`: the eager emitter reduces a bucket in place, and only a bucket, and skips
+the detaches only ops read.
 
-The functional all_reduce copies its input; `reduce_in_place` drops that copy
-where the input is new memory nothing else reads. Graph-only, on the fake process group.
+The functional all_reduce copies its input; `eager_graph` drops that copy where the
+input is new memory nothing else reads. Graph-only, on the fake process group.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from torch_hca.backends.emit import emit, reduce_in_place
+from torch_hca.backends.emit import eager_graph, emit
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -39,7 +40,7 @@ def _targets(gm: fx.GraphModule) -> set:
 
 def test_a_bucket_only_the_reduction_reads_is_reduced_in_place(fake_pg):
     gm = _reduce_graph("cat", also_returned=False)
-    emitted = reduce_in_place(gm)
+    emitted = eager_graph(gm)
     assert c10d.all_reduce_.default in _targets(emitted) and c10d.all_reduce.default not in _targets(emitted)
     assert c10d.all_reduce.default in _targets(gm)  # the report's graph is left as the passes made it
     a, b = torch.randn(3), torch.randn(2)
@@ -50,5 +51,21 @@ def test_a_bucket_only_the_reduction_reads_is_reduced_in_place(fake_pg):
 @pytest.mark.parametrize("source,also_returned", [("cat", True), ("input", False), ("view", False)])
 def test_a_buffer_someone_else_may_read_keeps_the_copy(fake_pg, source, also_returned):
     gm = _reduce_graph(source, also_returned)
-    assert reduce_in_place(gm) is gm
+    assert eager_graph(gm) is gm
     assert c10d.all_reduce_.default not in _targets(gm)
+
+
+def test_detaches_only_ops_read_are_skipped_and_an_output_keeps_its_own():
+    g = fx.Graph()
+    a = g.placeholder("a")
+    inner = g.call_function(aten.detach.default, (a,))
+    doubled = g.call_function(aten.add.Tensor, (inner, inner))
+    returned = g.call_function(aten.detach.default, (doubled,))
+    g.output((doubled, returned))
+    gm = fx.GraphModule({}, g)
+
+    emitted = eager_graph(gm)
+    detaches = lambda m: [n.args[0].name for n in m.graph.find_nodes(op="call_function", target=aten.detach.default)]
+    assert detaches(emitted) == [doubled.name] and detaches(gm) == ["a", doubled.name]
+    x = torch.randn(3)
+    assert all(torch.equal(o, 2 * x) for o in emitted(x))

@@ -13,7 +13,8 @@ defaults are rough. This measures, on the current process group and device:
   * compute: a training step of a small MLP (4 x Linear(256, 256) + ReLU on 256 rows,
     forward and backward: 11 matmuls' FLOPs over its median time, so the rate includes
     what a step pays besides the matmuls, on all ranks at once as in a step);
-  * memory: a 16 MiB copy; op_s: an FX graph of 200 adds of one element, per add.
+  * memory: a 16 MiB copy; op_s: a tiny 12-layer MLP's training step through
+    AOTAutograd, run op by op as the eager emitter runs it, per op (median).
 
 Ranks measure different numbers, and the solver must make the same choice on
 every rank, so rank 0's figures are broadcast and every rank returns them.
@@ -103,17 +104,26 @@ def _mlp_step(device: torch.device) -> tuple[Callable[[], None], float]:
     return step, 11 * 2 * 256 ** 3
 
 
-def _op_s(device: torch.device, ops: int = 200) -> float:
-    """Host seconds per op of an FX graph of `ops` one-element adds (what the eager program pays per op)."""
-    import torch.fx as fx
+def _op_s(device: torch.device, repeats: int) -> float:
+    """Host seconds per op of a training step run as the eager emitter runs one: a 12-layer
+    MLP on 2 x 4 tensors (compute is nothing) through AOTAutograd, its forward and backward
+    FX graphs run op by op. The median step over their ops, so each op's share of the
+    autograd engine and AOTAutograd's wrappers counts too (about twice a bare op's cost)."""
+    from functorch.compile import aot_module, make_boxed_func
 
-    graph = fx.Graph()
-    x = y = graph.placeholder("x")
-    for _ in range(ops):
-        y = graph.call_function(torch.ops.aten.add.Tensor, (y, x))
-    graph.output(y)
-    gm, one = fx.GraphModule({}, graph), torch.ones(1, device=device)
-    return _best_s(lambda: gm(one), 5) / ops
+    ops = []
+
+    def eager(gm, example_inputs):
+        ops.append(sum(1 for n in gm.graph.nodes if n.op == "call_function"))
+        return make_boxed_func(gm.forward)
+
+    layers = [torch.nn.Linear(4, 4, device=device) for _ in range(12)]
+    model = aot_module(torch.nn.Sequential(*(m for layer in layers for m in (layer, torch.nn.ReLU()))),
+                       fw_compiler=eager, bw_compiler=eager)
+    x = torch.randn(2, 4, device=device)
+    step = lambda: model(x).sum().backward()
+    step()  # compiles: forward and backward graphs
+    return _median_s(step, max(repeats, 20)) / sum(ops)
 
 
 def calibrate(repeats: int = 20, *, cache: bool = False, refresh: bool = False) -> dict[str, float]:
@@ -182,7 +192,7 @@ def _measure(repeats: int) -> dict[str, float]:
     dist.barrier()
     step_s = _median_s(lambda: (step(), sync()), max(repeats // 2, 3))
     synced_s = _after_compute_s(lambda: dist.all_gather_into_tensor(out, tiny), step, sync, max(repeats // 2, 3))
-    op_s = _op_s(device)
+    op_s = _op_s(device, repeats)
     src, dst = torch.randn(2 ** 22, device=device), torch.empty(2 ** 22, device=device)
     copy_s = timed(lambda: dst.copy_(src))
 
