@@ -18,7 +18,7 @@ from functorch.compile import default_partition
 from torch._dynamo.backends.common import aot_autograd
 from torch.distributed.tensor import DTensor
 
-from torch_hca._torch_private import graph_arg_example, group_size
+from torch_hca._torch_private import graph_arg_example, group_size, no_donated_buffers
 from torch_hca.agreement import InputAgreement
 from torch_hca.spmd.collective_kinds import OPS, RULES, node_group, node_payload
 from torch_hca.options import Options
@@ -89,7 +89,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
         decompositions=decompositions(options.inner),
     )
     try:
-        compiled = compiler(gm, example_inputs)
+        with no_donated_buffers():  # see there: a silent wrong gradient under Inductor otherwise
+            compiled = compiler(gm, example_inputs)
     except HCAError:
         raise
     except Exception as e:

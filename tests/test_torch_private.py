@@ -187,6 +187,13 @@ def test_redistribute_to_partial(fake_pg):
     assert tp.redistribute_to_partial(half, (Partial("sum"),)).dtype == torch.bfloat16
 
 
+def test_no_donated_buffers():
+    before = torch._functorch.config.donated_buffer
+    with tp.no_donated_buffers():
+        assert torch._functorch.config.donated_buffer is False
+    assert torch._functorch.config.donated_buffer == before
+
+
 def test_dynamo_fallback_exceptions():
     from torch._subclasses.fake_tensor import DataDependentOutputException, UnsupportedFakeTensorException
 

@@ -159,6 +159,20 @@ def fake_mode_of(values):
     return None
 
 
+def no_donated_buffers():
+    """AOTAutograd without "donated buffers" for the compile inside this context.
+
+    AOTAutograd lets Inductor reuse a saved-for-backward tensor's memory once the
+    backward is done reading it, when that tensor shares storage with no input or
+    output; it does not check saved tensors against each other. Our partition can save
+    a value and an alias of it (a ReLU's output for the weight gradient, and its
+    detached alias for the mask): Inductor then wrote the mask's result into the
+    buffer a later weight-gradient matmul still read, and gradients came out wrong
+    with no error. The cost is a little memory Inductor may not reuse in backward.
+    """
+    return torch._functorch.config.patch(donated_buffer=False)
+
+
 def dynamo_fallback_exceptions() -> tuple[type[BaseException], ...]:
     """The backend exceptions Dynamo answers with a graph break (a warning) instead of an error."""
     from torch._dynamo.exc import exceptions_allowed_to_be_fallback
