@@ -190,3 +190,13 @@ def test_expert_storage_is_hca_plan_storage(fake_pg):
         ref = spec.build()
         mine = storage(hca.sharded(spec.plan, mesh=fake_pg, inputs=Replicate(), outputs=Replicate())(copy.deepcopy(ref)))
         assert storage(_expert(copy.deepcopy(ref), spec, fake_pg)) == mine, spec.name
+
+
+def test_a_wrong_gradient_is_named_and_fails_the_run():
+    from torch_hca.tools.bench_tables import _wrong_gradients_line, wrong_gradients
+
+    rows = [{"contestant": "hca", "max_grad_rel_err": 4e-7}, {"contestant": "hca_inductor", "max_grad_rel_err": 1.0},
+            {"contestant": "ddp", "max_grad_rel_err": None, "failed": "RuntimeError"}]
+    assert [r["contestant"] for r in wrong_gradients(rows)] == ["hca_inductor"]
+    (line,) = _wrong_gradients_line(rows)
+    assert line.startswith("WRONG GRADIENTS: hca_inductor (max rel err 1.0e+00 > 1e-05")

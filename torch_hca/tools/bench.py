@@ -42,7 +42,7 @@ from ..launch import launch
 from .bench_models import ALTERNATIVES, CONTESTANTS, MODELS, _expert, applies, specs  # noqa: F401
 from .bench_profile import BREAKDOWN, step_breakdown, traced_step  # noqa: F401
 from .bench_run import RunConfig, merge, run_rank
-from .bench_tables import tables
+from .bench_tables import tables, wrong_gradients
 from .progress import Progress
 
 
@@ -79,4 +79,5 @@ def main(world_size: int = 2, steps: int = 5, models=MODELS, contestants=CONTEST
         print(f"\nwrote {len(records)} records to {os.path.abspath(json_path)}")
     if profile_dir:
         print(f"wrote Chrome traces ({{model}}_{{contestant}}_rank{{r}}.json) to {os.path.abspath(profile_dir)}")
-    return 0
+    # A wrong gradient is the worst thing a run can show: the exit status says so too.
+    return 1 if wrong_gradients(records) else 0

@@ -75,6 +75,20 @@ def _regret_line(rows: list) -> list[str]:
             f"(ms: {alts}); above 1, a layout hca could have chosen was faster"]
 
 
+# fp32 against one device: any gradient further off than this is a wrong program, not rounding.
+GRAD_TOL = 1e-5
+
+
+def wrong_gradients(rows: list) -> list[dict]:
+    """The records whose first step's gradients are off from one device's beyond `GRAD_TOL`."""
+    return [r for r in rows if (r.get("max_grad_rel_err") or 0.0) > GRAD_TOL]
+
+
+def _wrong_gradients_line(rows: list) -> list[str]:
+    return [f"WRONG GRADIENTS: {r['contestant']} (max rel err {r['max_grad_rel_err']:.1e} > {GRAD_TOL:g} against "
+            "one device); its step time times a wrong program" for r in wrong_gradients(rows)]
+
+
 def _prediction_line(rows: list) -> list[str]:
     """One line: hca's compiled forward and backward as its cost model predicted them (the scheduled
     timeline) against the clock: the step less its optimizer step, which the compiler never sees."""
@@ -163,7 +177,8 @@ def tables(records: list) -> str:
         amin = rows[0]["analytic_min_bytes"]
         lines.append(f"== {model} (world size {rows[0]['world_size']}; analytic minimum {_fmt_bytes(amin)}/step/rank: "
                      f"{rows[0]['analytic_min_why']}) ==")
-        lines += _aligned([_HEAD] + [_row(r, amin, mark) for r in rows]) + _fewest_bytes(rows) + _regret_line(rows) + _prediction_line(rows)
+        lines += _aligned([_HEAD] + [_row(r, amin, mark) for r in rows]) + _wrong_gradients_line(rows)
+        lines += _fewest_bytes(rows) + _regret_line(rows) + _prediction_line(rows)
         lines.append("")
     lines += _schedule_table(records) + _profile_table(records)
     lines += [f"[{i + 1}] {t}" for i, t in enumerate(FOOTNOTES + foot)]
