@@ -6,7 +6,7 @@ it alone (a bucket) reduces that buffer in place instead of a copy, and
 `detach` nodes that only ops read (no grad is recorded inside a compiled graph)
 are skipped.
 "inductor": hand the same graph to Inductor, which lowers the
-`_c10d_functional` ops itself.
+`_c10d_functional` ops itself, with waits kept late (its "sink_waits" pass).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 from functorch.compile import make_boxed_func
 
-from torch_hca._torch_private import copy_graph_module
+from torch_hca._torch_private import copy_graph_module, inductor_waits_late
 
 _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 _ALL_REDUCE_IN_PLACE = torch.ops._c10d_functional.all_reduce_.default
@@ -29,8 +29,10 @@ def emit(gm: fx.GraphModule, example_inputs: list[Any], inner: str, is_backward:
         from torch._inductor.compile_fx import compile_fx_inner
 
         # Inductor rewrites the graph in place (all_reduce -> all_reduce_); the report
-        # keeps the graph the passes emitted.
-        return compile_fx_inner(copy_graph_module(gm), example_inputs, is_backward=is_backward)
+        # keeps the graph the passes emitted. Its scheduler would wait on each collective
+        # right after starting it; the schedule pass placed the waits late, and so must it.
+        with inductor_waits_late():
+            return compile_fx_inner(copy_graph_module(gm), example_inputs, is_backward=is_backward)
     return make_boxed_func(eager_graph(gm).forward)
 
 

@@ -187,6 +187,16 @@ def test_redistribute_to_partial(fake_pg):
     assert tp.redistribute_to_partial(half, (Partial("sum"),)).dtype == torch.bfloat16
 
 
+def test_inductor_waits_late():
+    import torch._inductor.config as inductor_config
+
+    before = inductor_config.reorder_for_compute_comm_overlap
+    with tp.inductor_waits_late():
+        assert inductor_config.reorder_for_compute_comm_overlap is True
+        assert inductor_config.reorder_for_compute_comm_overlap_passes == ["sink_waits"]
+    assert inductor_config.reorder_for_compute_comm_overlap == before
+
+
 def test_no_donated_buffers():
     before = torch._functorch.config.donated_buffer
     with tp.no_donated_buffers():
