@@ -487,18 +487,11 @@ def test_data_parallel_gradients_in_buckets(worlds, world_size, options, count, 
     assert all(r["backward"] == first["backward"] for r in results)
 
 
-def test_inner_inductor_trains_with_parity(worlds):
-    """Inductor compiles the bucketed, reordered graphs again: still one device's gradients."""
-    first = worlds(2).run(dist_cases.parity, "dp", 3, {"inner": "inductor"})[0]
-    assert first["out_err"] <= 1e-5
-    assert all(e <= 1e-5 for e in first["grad_errs"].values()), first["grad_errs"]
-    assert all(e <= 1e-5 for e in first["param_errs"].values()), first["param_errs"]
-    assert first["backward"] == {"all_reduce": 1} and first["buckets"]["backward"] == [(8, 4 * (16 * 16 + 16) * 4)]
-
-
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_inner_inductor_with_several_buckets_trains_with_parity(worlds, world_size):
-    """Several buckets, each reduced while the backward goes on: Inductor once reused a saved
+    """Inductor compiles the bucketed, reordered graphs again: still one device's gradients.
+
+    Several buckets, each reduced while the backward goes on: Inductor once reused a saved
     ReLU output's memory (AOTAutograd's "donated buffers") while a later weight-gradient
     matmul still read it, through the ReLU's alias, also saved, and 3 of 4 weight gradients
     came out wrong with no error (`_torch_private.no_donated_buffers`)."""
