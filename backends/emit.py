@@ -18,6 +18,7 @@ import torch.fx as fx
 from functorch.compile import make_boxed_func
 
 from torch_hca._torch_private import copy_graph_module, inductor_waits_late
+from torch_hca.passes.events import is_view, written
 
 _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 _ALL_REDUCE_IN_PLACE = torch.ops._c10d_functional.all_reduce_.default
@@ -69,11 +70,9 @@ def _reductions_in_place(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def _fresh_buffer(node: Any) -> bool:
-    """Whether `node` is an op that returns new memory: its schema mutates nothing and aliases nothing."""
-    if not (isinstance(node, fx.Node) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)):
-        return False
-    schema = node.target._schema
-    return not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+    """Whether `node` is an op that returns new memory: by its schema, no view and no in-place write."""
+    return (isinstance(node, fx.Node) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and not is_view(node) and not written(node))
 
 
 def decompositions(inner: str) -> dict | None:
