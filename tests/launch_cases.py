@@ -24,6 +24,20 @@ def raise_on_rank_1() -> int:
     return 0
 
 
+def crash_on_rank_1() -> int:
+    if dist.get_rank() == 1:
+        _crash_in_native_code()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return 0
+
+
+def _crash_in_native_code() -> None:
+    import ctypes
+
+    ctypes.string_at(0)  # reads address 0: SIGSEGV
+
+
 def die_on_rank_1() -> int:
     if dist.get_rank() == 1:
         os._exit(3)

@@ -42,6 +42,13 @@ def test_a_rank_that_dies_is_reported_not_waited_for():
         hca.launch(launch_cases.die_on_rank_1, 2, timeout_s=60)
 
 
+def test_a_rank_that_crashes_in_native_code_reports_where():
+    with pytest.raises(hca.RankError, match="rank 1 failed with process exit \\(code -11\\)") as info:
+        hca.launch(launch_cases.crash_on_rank_1, 2, timeout_s=60)
+    assert "Segmentation fault" in info.value.traceback_text
+    assert "_crash_in_native_code" in info.value.traceback_text
+
+
 def test_rendezvous_and_gloo_listen_on_loopback_only():
     with hca.LocalWorld(2, timeout_s=60) as world:
         per_rank = world.run(launch_cases.rank_listeners_after_collective)

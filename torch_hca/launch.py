@@ -27,6 +27,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -74,7 +75,8 @@ def _watch_parent(parent_pid: int) -> None:
     os._exit(1)
 
 
-def _worker_main(rank: int, world_size: int, port: int, conn, timeout_s: float, parent: tuple[int, bool]) -> None:
+def _worker_main(rank: int, world_size: int, port: int, conn, timeout_s: float, parent: tuple[int, bool],
+                 crash_log: str) -> None:
     _die_with_parent(*parent)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -89,6 +91,8 @@ def _worker_main(rank: int, world_size: int, port: int, conn, timeout_s: float, 
 
     from . import mesh
 
+    # A crash in native code (SIGSEGV, SIGABRT) leaves this rank's Python stack where the parent reads it.
+    faulthandler.enable(file=open(crash_log, "w"), all_threads=True)  # noqa: SIM115 (open for the process's life)
     faulthandler.register(signal.SIGUSR1)  # the parent asks for stacks before killing a stuck rank
     torch.set_num_threads(1)  # ranks share the machine's cores
     mesh.set_timeout(timeout_s)  # the store checks in this rank wait as long as the process group
@@ -168,6 +172,7 @@ class LocalWorld:
         self.timeout_s = check_timeout(timeout_s, "hca.LocalWorld(timeout_s=...)")
         self._procs: list[mp.Process] = []
         self._conns: list[Any] = []
+        self._crash_logs: list[str] = []
         self._store = None
         self._listener = None
 
@@ -190,7 +195,10 @@ class LocalWorld:
         me = (os.getpid(), threading.current_thread() is threading.main_thread())
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
-            args = (rank, self.world_size, port, child, self.timeout_s, me)
+            fd, crash_log = tempfile.mkstemp(prefix=f"hca-rank{rank}-", suffix=".crash")
+            os.close(fd)
+            self._crash_logs.append(crash_log)
+            args = (rank, self.world_size, port, child, self.timeout_s, me, crash_log)
             p = ctx.Process(target=_worker_main, args=args, daemon=True)
             p.start()
             child.close()
@@ -284,7 +292,12 @@ class LocalWorld:
             pass
         proc = self._procs[rank]
         proc.join(1.0)
-        return ("error", f"process exit (code {proc.exitcode})", f"rank {rank}'s process ended unexpectedly")
+        text = f"rank {rank}'s process ended unexpectedly"
+        with contextlib.suppress(OSError):
+            stack = open(self._crash_logs[rank]).read().strip()
+            if stack:
+                text += f"; where it crashed (faulthandler):\n{stack}"
+        return ("error", f"process exit (code {proc.exitcode})", text)
 
     def close(self) -> None:
         """Stop the ranks (politely if idle, by force if not)."""
@@ -301,7 +314,10 @@ class LocalWorld:
                 p.join()
         for conn in self._conns:
             conn.close()
-        self._procs, self._conns = [], []
+        for crash_log in self._crash_logs:
+            with contextlib.suppress(OSError):
+                os.remove(crash_log)
+        self._procs, self._conns, self._crash_logs = [], [], []
         self._store = None
         if self._listener is not None:
             self._listener.close()
