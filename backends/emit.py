@@ -23,6 +23,7 @@ from torch_hca.passes.events import is_view, written
 _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 _ALL_REDUCE_IN_PLACE = torch.ops._c10d_functional.all_reduce_.default
 _DETACH = torch.ops.aten.detach.default
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
 
 
 def emit(gm: fx.GraphModule, example_inputs: list[Any], inner: str, is_backward: bool = False) -> Callable:
@@ -65,14 +66,18 @@ def _skippable_detaches(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def _reductions_in_place(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.find_nodes(op="call_function", target=_ALL_REDUCE)
-            if _fresh_buffer(n.args[0]) and len(n.args[0].users) == 1]
+    return [n for n in gm.graph.find_nodes(op="call_function", target=_ALL_REDUCE) if _sole_reader_of_fresh(n.args[0])]
 
 
-def _fresh_buffer(node: Any) -> bool:
-    """Whether `node` is an op that returns new memory: by its schema, no view and no in-place write."""
-    return (isinstance(node, fx.Node) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and not is_view(node) and not written(node))
+def _sole_reader_of_fresh(node: Any) -> bool:
+    """Whether `node` is new memory (an op that, by its schema, neither views nor writes an input)
+    that one node reads, or an `_unsafe_view` with one reader of such memory (a matmul's result
+    reshaped: the reshape shares the product's memory, though its schema does not say so)."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and len(node.users) == 1):
+        return False
+    if node.target is _UNSAFE_VIEW:
+        return _sole_reader_of_fresh(node.args[0])
+    return isinstance(node.target, torch._ops.OpOverload) and not is_view(node) and not written(node)
 
 
 def decompositions(inner: str) -> dict | None:

@@ -23,11 +23,15 @@ def is_start(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in OPS
 
 
+# Ops whose schema declares no alias but whose result shares its input's memory.
+_UNANNOTATED_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})
+
+
 def is_view(node: fx.Node) -> bool:
     """A node whose result is a view of its first argument (or an element of a list of views)."""
     if node.op != "call_function":
         return False
-    if node.target is operator.getitem:
+    if node.target is operator.getitem or node.target in _UNANNOTATED_VIEWS:
         return True
     schema = getattr(node.target, "_schema", None)
     returns = schema.returns if schema is not None else []

@@ -19,18 +19,23 @@ c10d = torch.ops._c10d_functional
 
 
 def _reduce_graph(source: str, also_returned: bool) -> fx.GraphModule:
-    """all_reduce(buffer) -> wait, where buffer is a cat of the inputs, an input, or a view of a cat."""
+    """all_reduce(buffer) -> wait, where buffer is a cat of the inputs, an input, or a view of a cat
+    (for "unsafe_view", an `_unsafe_view` of a cat the graph also returns; for
+    "unsafe_view_of_fresh", of a cat nothing else reads)."""
     g = fx.Graph()
     a, b = g.placeholder("a"), g.placeholder("b")
+    cat = None
     if source == "cat":
         buffer = g.call_function(aten.cat.default, ([a, b],))
     elif source == "input":
         buffer = a
     else:  # a view aliases memory someone else may hold
-        buffer = g.call_function(aten.view.default, (g.call_function(aten.cat.default, ([a, b],)), [-1]))
+        cat = g.call_function(aten.cat.default, ([a, b],))
+        view = aten.view.default if source == "view" else aten._unsafe_view.default  # unsafe_view*
+        buffer = g.call_function(view, (cat, [-1]))
     reduced = g.call_function(c10d.wait_tensor.default,
                               (g.call_function(c10d.all_reduce.default, (buffer, "sum", dist.group.WORLD.group_name)),))
-    g.output((reduced, buffer) if also_returned else (reduced,))
+    g.output((reduced, buffer) if also_returned else (reduced, cat) if source == "unsafe_view" else (reduced,))
     return fx.GraphModule({}, g)
 
 
@@ -38,8 +43,9 @@ def _targets(gm: fx.GraphModule) -> set:
     return {n.target for n in gm.graph.nodes if n.op == "call_function"}
 
 
-def test_a_bucket_only_the_reduction_reads_is_reduced_in_place(fake_pg):
-    gm = _reduce_graph("cat", also_returned=False)
+@pytest.mark.parametrize("source", ["cat", "unsafe_view_of_fresh"])
+def test_a_bucket_only_the_reduction_reads_is_reduced_in_place(fake_pg, source):
+    gm = _reduce_graph(source, also_returned=False)
     emitted = eager_graph(gm)
     assert c10d.all_reduce_.default in _targets(emitted) and c10d.all_reduce.default not in _targets(emitted)
     assert c10d.all_reduce.default in _targets(gm)  # the report's graph is left as the passes made it
@@ -48,7 +54,9 @@ def test_a_bucket_only_the_reduction_reads_is_reduced_in_place(fake_pg):
     assert torch.equal(out, torch.cat([a, b]))
 
 
-@pytest.mark.parametrize("source,also_returned", [("cat", True), ("input", False), ("view", False)])
+# `_unsafe_view`'s schema declares no alias, but its result shares its input's memory.
+@pytest.mark.parametrize("source,also_returned", [("cat", True), ("input", False), ("view", False),
+                                                  ("unsafe_view", False)])
 def test_a_buffer_someone_else_may_read_keeps_the_copy(fake_pg, source, also_returned):
     gm = _reduce_graph(source, also_returned)
     assert eager_graph(gm) is gm
