@@ -144,6 +144,16 @@ def test_profile_writes_a_trace_per_contestant_and_rank_and_a_breakdown(run):
             assert p["collectives_s"] > 0, (r["model"], r["contestant"], p)
 
 
+def test_profile_table_sets_hcas_prediction_beside_its_profile(run):
+    _, stdout, _ = run
+    section = stdout.split("== where the step time goes")[1].split("\n\n")[0]
+    predicted = [line.split() for line in section.splitlines()[1:] if "hca (predicted)" in line]
+    assert [p[0] for p in predicted] == list(MODELS), section
+    for p in predicted:  # model, "hca", "(predicted)", step ms, compute ms (share), collectives ms (share), ...
+        step, compute, waits = float(p[3]), float(p[4]), float(p[6])
+        assert step > 0 and compute + waits == pytest.approx(step, abs=0.02), p
+
+
 def _x(name, ts, dur, tid=1):
     return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
 
