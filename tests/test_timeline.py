@@ -181,6 +181,22 @@ def test_every_op_pays_its_issue_time_views_included(fake_pg):
     assert close(t.compute_s, 2e-3 + estimate([("forward", gm)], COSTS).compute_s)
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2])  # grouped-query: two query heads per key/value head
+def test_hcas_attention_costs_its_matmuls(kv_heads):
+    b, h, q_len, k_len, d = 2, 4, 16, 32, 8
+    q, grad = torch.empty(b, h, q_len, d, device="meta"), torch.empty(b, h, q_len, d, device="meta")
+    k, v = torch.empty(b, kv_heads, k_len, d, device="meta"), torch.empty(b, kv_heads, k_len, d, device="meta")
+    g = Builder()
+    args = [g.node("placeholder", name, val=val) for name, val in (("q", q), ("k", k), ("v", v), ("grad", grad))]
+    groups = h // kv_heads
+    fwd = g.op(torch.ops.hca.attention.default, *args[:3], None, 0, 0.5, groups, val=q)
+    bwd = g.op(torch.ops.hca.attention_backward.default, args[3], *args[:3], None, 0, 0.5, groups, val=(q, k, v))
+    t = play(g.done(fwd, bwd))
+    scores = 2 * b * h * q_len * k_len * d  # one [q_len, d] x [d, k_len] product per head
+    # forward: scores and scores x v; backward: the scores again, then four products of the same size
+    assert [e.duration_s * COSTS.flops_per_s for e in t.events] == pytest.approx([2 * scores, 5 * scores])
+
+
 def test_the_compiled_mlp_graphs(fake_pg):
     torch.manual_seed(0)
     c = torch.compile(hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP()), backend="hca")

@@ -18,6 +18,7 @@ import math
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
+from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 from . import _torch_private
 from .errors import UnsupportedError
@@ -110,6 +111,19 @@ def attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 @attention_backward.register_fake
 def _(grad, q, k, v, mask, causal, scale, groups):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the real ones
+
+
+# The matmul FLOPs of the kernels, as torch counts scaled_dot_product_attention's (grouped-query
+# heads included; the backward recomputes the scores): without them, the cost model's timeline
+# would count one FLOP per output element for a step's attention.
+@register_flop_formula(torch.ops.hca.attention)
+def _attention_flops(q, k, v, *_, out_shape=None, **__) -> int:
+    return sdpa_flop_count(q, k, v)
+
+
+@register_flop_formula(torch.ops.hca.attention_backward)
+def _attention_backward_flops(grad, q, k, v, *_, out_shape=None, **__) -> int:
+    return sdpa_backward_flop_count(grad, q, k, v)
 
 
 def _backward(ctx, grad):
