@@ -21,6 +21,7 @@ def test_every_rank_gets_rank_zeros_figures(worlds):
     assert 1e6 < figures["bytes_per_s"] < 1e12 and 1e8 < figures["flops_per_s"] < 1e14
     assert 1e-8 < figures["op_s"] < 1e-3  # host time to issue one op: microseconds
     assert figures["sync_s"] >= 0  # a wait after compute, beyond the transfer
+    assert 0 < figures["call_s"] < 0.1  # a compiled graph's call beyond its ops: a millisecond or so
 
 
 def test_needs_a_process_group():

@@ -153,6 +153,16 @@ def test_graphs_run_one_after_another_and_a_group_of_one_is_free():
     assert close(t.total_s, 2 * MM_S + comm_s())
 
 
+def test_each_graph_call_pays_its_host_time_once_before_its_ops():
+    fw, bw = Builder(), Builder()
+    called = CostModel(**{**COSTS.as_dict(), "call_s": 1e-3})
+    t = estimate([("g0", fx.GraphModule(torch.nn.Module(), fw.done(fw.mms(2)))),
+                  ("g1", fx.GraphModule(torch.nn.Module(), bw.done(bw.mms(1))))], called)
+    assert [(e.graph, e.name) for e in t.events] == [("g0", "call"), ("g0", "aten.mm"), ("g0", "aten.mm"),
+                                                     ("g1", "call"), ("g1", "aten.mm")]
+    assert close(t.total_s, 2e-3 + 3 * MM_S) and close(t.compute_s, t.total_s)
+
+
 def test_a_graph_traced_under_the_fake_process_group(fake_pg):
     group = fake_pg.get_group().group_name
 

@@ -14,7 +14,10 @@ defaults are rough. This measures, on the current process group and device:
     forward and backward: 11 matmuls' FLOPs over its median time, so the rate includes
     what a step pays besides the matmuls, on all ranks at once as in a step);
   * memory: a 16 MiB copy; op_s: a tiny 12-layer MLP's training step through
-    AOTAutograd, run op by op as the eager emitter runs it, per op (median).
+    AOTAutograd, run op by op as the eager emitter runs it, per op (median);
+  * ``call_s``: a tiny 6-layer MLP compiled by hca (replicated: no collective), its
+    training step's median less the timeline's estimate of its two graphs under the
+    figures above, per graph: Dynamo's guards, the runtime wrappers, the input check.
 
 Ranks measure different numbers, and the solver must make the same choice on
 every rank, so rank 0's figures are broadcast and every rank returns them.
@@ -126,6 +129,28 @@ def _op_s(device: torch.device, repeats: int) -> float:
     return _median_s(step, max(repeats, 20)) / sum(ops)
 
 
+def _call_s(figures: dict[str, float], device: torch.device, repeats: int) -> float:
+    """Host seconds per call of a compiled graph beyond its ops: a tiny MLP compiled by hca
+    (replicated parameters and input: no collective), its training step's median less what
+    the timeline makes of its forward and backward graphs under `figures`, per graph."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+
+    from .plan import sharded
+    from .report import report
+
+    mesh = current_mesh() or init_device_mesh(device.type, (dist.get_world_size(),))
+    model = torch.nn.Sequential(*(m for _ in range(6) for m in (torch.nn.Linear(4, 4, device=device), torch.nn.ReLU())))
+    compiled = torch.compile(sharded({}, mesh=mesh, inputs=Replicate(), outputs=Replicate())(model), backend="hca")
+    x = torch.ones(2, 4, device=device)  # the same on every rank, as a Replicate() input must be
+    step = lambda: compiled(x).sum().backward()
+    step()  # compiles
+    measured = _median_s(step, max(repeats, 20))
+    timeline = report(compiled).timeline(CostModel(**figures)).after
+    graphs = len({e.graph for e in timeline.events})
+    return max(measured - timeline.total_s, 0.0) / max(graphs, 1)
+
+
 def calibrate(repeats: int = 20, *, cache: bool = False, refresh: bool = False) -> dict[str, float]:
     """Cost-model figures measured on the world's process group (rank 0's, on every rank).
 
@@ -202,13 +227,15 @@ def _measure(repeats: int) -> dict[str, float]:
     # it at different times, and the first waits for the last.
     sync = max(synced_s - gather_s, 0.0)
     wire = RULES[Kind.ALL_REDUCE].wire_bytes(big.numel() * 4, n)
-    figures = torch.tensor([
+    measured = dict(zip(FIELDS, [
         launch, alpha,
         wire / max(big_s - reduce_s, 1e-9),
         step_flops / step_s,
         2 * src.numel() * 4 / copy_s,  # read and write
-        op_s, sync,
-    ], dtype=torch.float64, device=device)
+        op_s, sync, 0.0,
+    ]))
+    measured["call_s"] = _call_s(measured, device, repeats)
+    figures = torch.tensor([measured[k] for k in FIELDS], dtype=torch.float64, device=device)
     dist.broadcast(figures, src=0)
     return dict(zip(FIELDS, (float(x) for x in figures.tolist())))
 

@@ -288,13 +288,14 @@ class CompileReport:
             ],
         }
 
-    def timeline(self) -> "StepTimelines":
+    def timeline(self, costs: CostModel | None = None) -> "StepTimelines":
         """One training step estimated from the cost model, before and after the schedule pass.
 
         ``.before`` plays the graphs in the order AOTAutograd traced them,
         ``.after`` in the order the schedule pass emitted (see
         `torch_hca.timeline` for the model); each has ``exposed_comm_s``,
         ``chrome_trace()``, ``save_chrome_trace(path)`` and ``save_png(path)``.
+        ``costs``: the figures to play them with (default: those the layout was solved with).
         """
         from .timeline import estimate
 
@@ -311,9 +312,10 @@ class CompileReport:
                 "hca.report(...).timeline(): no forward or backward graph was compiled (options inner='dtensor' "
                 "runs the DTensor program eagerly); compile with inner='eager' or 'inductor' to estimate a step"
             )
-        device = (self.graphs[0].mesh or {}).get("device_type", "cpu")
-        solved = self.graphs[0].layout.get("cost_model")  # the figures the layout was solved with
-        costs = CostModel(**solved) if solved else self.graphs[0].options.costs(device)
+        if costs is None:
+            device = (self.graphs[0].mesh or {}).get("device_type", "cpu")
+            solved = self.graphs[0].layout.get("cost_model")  # the figures the layout was solved with
+            costs = CostModel(**solved) if solved else self.graphs[0].options.costs(device)
         return StepTimelines(estimate(before, costs), estimate(after, costs))
 
     def explain(self) -> str:

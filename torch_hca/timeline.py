@@ -19,6 +19,8 @@ The rules (a model, not a measurement; deterministic):
 * every op but getitem also takes ``costs.op_s``, the host time to issue it
   (Python, FX, the dispatcher); placeholders, outputs and getitem take no
   time, views and ops that return no tensor only ``op_s``;
+* each graph starts with ``costs.call_s`` on the compute lane (event "call"):
+  the host time a call of a compiled graph costs beyond its ops;
 * a collective is issued at the compute lane's current time and takes no
   compute time; it runs on its group's lane (``"comm:<group name>"``) from
   ``max(issue time, lane free)`` for ``costs.collective_s(kind, payload, n)``,
@@ -52,6 +54,7 @@ from .spmd.cost_model import CostModel
 from .errors import HCAError
 
 COMPUTE = "compute"
+CALL = "call"  # the event of a graph's call_s
 
 
 @dataclass
@@ -192,6 +195,9 @@ class _Player:
         self.events: list[Event] = []
 
     def play(self, graph: str, gm: fx.GraphModule) -> None:
+        if self.costs.call_s > 0:  # the host work of calling the graph, before its first op
+            self.events.append(Event(CALL, COMPUTE, self.now, self.now + self.costs.call_s, "", graph))
+            self.now += self.costs.call_s
         for node in gm.graph.nodes:
             if node.op != "call_function":
                 continue

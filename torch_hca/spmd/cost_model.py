@@ -10,7 +10,9 @@ inside a step pays on top of its transfer: the ranks reach it apart after
 compute, and the first waits for the last (work issued meanwhile hides it,
 like the transfer; bucketing does not save it, so the bucket size ignores it). An op costs
 ``max(flops / flops_per_s, bytes touched / memory_bytes_per_s)``, and the host
-``op_s`` to issue it (Python, FX, the dispatcher: what a small op costs).
+``op_s`` to issue it (Python, FX, the dispatcher: what a small op costs). Each call
+of a compiled graph also costs ``call_s`` of host time beyond its ops (Dynamo's
+guards, the runtime wrappers, the input check, the autograd engine's node).
 
 The defaults are rough figures for the two transports torch_hca targets;
 calibrate them for a cluster with ``options={"cost_model": {...}}``:
@@ -24,6 +26,7 @@ calibrate them for a cluster with ``options={"cost_model": {...}}``:
 | memory_bytes_per_s | 10e9            | 3e12        |
 | op_s               | 5e-6            | 5e-6        |
 | sync_s             | 0               | 0           |
+| call_s             | 0               | 0           |
 
 Figures measured once per machine are kept on disk: ``hca.calibrate(cache=True)``
 (or ``python -m torch_hca calibrate``) stores them in ``calibration.json`` under
@@ -73,6 +76,7 @@ class CostModel:
     memory_bytes_per_s: float
     op_s: float = 5e-6  # host seconds to issue one op of the program
     sync_s: float = 0.0  # seconds a collective after compute waits for the slowest rank
+    call_s: float = 0.0  # host seconds one call of a compiled graph costs beyond its ops
 
     def collective_s(self, kind: Kind, payload_bytes: float, n: int) -> float:
         """Seconds for one collective of `kind` on `payload_bytes` over `n` ranks."""
@@ -157,7 +161,7 @@ def with_overrides(model: CostModel, overrides: Mapping[str, Any] | None) -> Cos
     if unknown:
         raise OptionsError(f"options['cost_model']: unknown field(s) {unknown}; the fields are {sorted(fields)}")
     for key, value in overrides.items():
-        latency = key in ("launch_s", "alpha_s", "op_s", "sync_s")  # may be 0; rates may not
+        latency = key in ("launch_s", "alpha_s", "op_s", "sync_s", "call_s")  # may be 0; rates may not
         if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
                 or value < 0 or (value == 0 and not latency)):
             raise OptionsError(
