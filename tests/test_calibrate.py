@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import math
 
 import pytest
+import torch
 
 import dist_cases
 import torch_hca as hca
 from torch_hca.calibrate import FIELDS
+from torch_hca.spmd.cost_model import DEFAULTS
 
 
 def test_every_rank_gets_rank_zeros_figures(worlds):
@@ -30,3 +34,21 @@ def test_needs_a_process_group():
     assert not dist.is_initialized()
     with pytest.raises(hca.MeshError, match=r"hca.calibrate\(\): no process group; call hca.init_mesh\(\) first"):
         hca.calibrate()
+
+
+def test_call_s_is_the_compiled_steps_time_beyond_its_timeline(fake_pg):
+    cal = importlib.import_module("torch_hca.calibrate")  # the module: hca.calibrate is its function
+
+    figures = dataclasses.asdict(DEFAULTS["gloo"])
+    assert cal._call_s(figures, torch.device("cpu"), 3) > 0  # Dynamo, wrappers: never free
+
+
+def test_call_s_is_zero_with_a_warning_when_the_probe_did_not_compile(fake_pg, monkeypatch):
+    cal = importlib.import_module("torch_hca.calibrate")  # the module: hca.calibrate is its function
+
+    def uncompiled(compiled):
+        raise hca.HCAError("no graph of this Sequential was compiled")
+
+    monkeypatch.setattr(importlib.import_module("torch_hca.report"), "report", uncompiled)
+    with pytest.warns(UserWarning, match="call_s is 0: the probe module did not compile with hca"):
+        assert cal._call_s(dataclasses.asdict(DEFAULTS["gloo"]), torch.device("cpu"), 3) == 0.0

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -146,7 +147,11 @@ def _call_s(figures: dict[str, float], device: torch.device, repeats: int) -> fl
     step = lambda: compiled(x).sum().backward()
     step()  # compiles
     measured = _median_s(step, max(repeats, 20))
-    timeline = report(compiled).timeline(CostModel(**figures)).after
+    try:
+        timeline = report(compiled).timeline(CostModel(**figures)).after
+    except HCAError as e:  # Dynamo ran it uncompiled (its recompile limit for sharded modules, say)
+        warnings.warn(f"hca.calibrate: call_s is 0: the probe module did not compile with hca ({e})", stacklevel=3)
+        return 0.0
     graphs = len({e.graph for e in timeline.events})
     return max(measured - timeline.total_s, 0.0) / max(graphs, 1)
 
