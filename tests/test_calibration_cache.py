@@ -89,6 +89,14 @@ def test_an_entry_with_bad_figures_is_ignored_with_a_warning(folder, figures):
         assert cached_calibration(2, "gloo") is None
 
 
+def test_an_entry_from_before_a_field_existed_takes_its_default(folder):
+    store_calibration(FIGURES, 2, "gloo")
+    data = json.loads((folder / CACHE_FILE).read_text())
+    del data["entries"][0]["figures"]["call_s"]  # as a calibration from before call_s stored it
+    (folder / CACHE_FILE).write_text(json.dumps(data))
+    assert cached_calibration(2, "gloo") == {**FIGURES, "call_s": 0.0}
+
+
 def test_the_key_needs_a_world_when_no_process_group(folder):
     assert not dist.is_initialized()
     with pytest.raises(hca.HCAError, match="pass world_size= and backend="):

@@ -221,11 +221,16 @@ def _read_entries(path: Path) -> list[dict]:
 
 
 def _valid_figures(figures: Any) -> dict[str, float]:
-    fields = [f.name for f in dataclasses.fields(CostModel)]
-    if not isinstance(figures, Mapping) or sorted(figures) != sorted(fields):
-        raise ValueError(f"figures {figures!r} do not name exactly the fields {fields}")
+    """The cached figures, checked; a field added since they were measured takes its default
+    (a calibration from an older torch_hca stays usable; refreshing it measures the new one)."""
+    fields = dataclasses.fields(CostModel)
+    names = [f.name for f in fields]
+    later = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
+    if not isinstance(figures, Mapping) or not set(names) - set(later) <= set(figures) <= set(names):
+        raise ValueError(f"figures {figures!r} do not name exactly the fields {names}")
+    figures = {**{k: v for k, v in later.items() if k not in figures}, **figures}
     with_overrides(DEFAULTS["gloo"], figures)  # OptionsError on a negative, zero rate, NaN or non-number
-    return {k: float(figures[k]) for k in fields}
+    return {k: float(figures[k]) for k in names}
 
 
 def cached_calibration(world_size: int | None = None, backend: str | None = None) -> dict[str, float] | None:
