@@ -18,12 +18,11 @@ import torch.fx as fx
 from functorch.compile import make_boxed_func
 
 from torch_hca._torch_private import copy_graph_module, inductor_waits_late
-from torch_hca.passes.events import is_view, written
+from torch_hca.passes.events import UNANNOTATED_VIEWS, is_view, written
 
 _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 _ALL_REDUCE_IN_PLACE = torch.ops._c10d_functional.all_reduce_.default
 _DETACH = torch.ops.aten.detach.default
-_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
 
 
 def emit(gm: fx.GraphModule, example_inputs: list[Any], inner: str, is_backward: bool = False) -> Callable:
@@ -71,11 +70,11 @@ def _reductions_in_place(gm: fx.GraphModule) -> list[fx.Node]:
 
 def _sole_reader_of_fresh(node: Any) -> bool:
     """Whether `node` is new memory (an op that, by its schema, neither views nor writes an input)
-    that one node reads, or an `_unsafe_view` with one reader of such memory (a matmul's result
-    reshaped: the reshape shares the product's memory, though its schema does not say so)."""
+    that one node reads, or a view its schema does not declare (`_unsafe_view`: a matmul's result
+    reshaped) with one reader of such memory."""
     if not (isinstance(node, fx.Node) and node.op == "call_function" and len(node.users) == 1):
         return False
-    if node.target is _UNSAFE_VIEW:
+    if node.target in UNANNOTATED_VIEWS:
         return _sole_reader_of_fresh(node.args[0])
     return isinstance(node.target, torch._ops.OpOverload) and not is_view(node) and not written(node)
 

@@ -24,14 +24,14 @@ def is_start(node: fx.Node) -> bool:
 
 
 # Ops whose schema declares no alias but whose result shares its input's memory.
-_UNANNOTATED_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})
+UNANNOTATED_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})
 
 
 def is_view(node: fx.Node) -> bool:
     """A node whose result is a view of its first argument (or an element of a list of views)."""
     if node.op != "call_function":
         return False
-    if node.target is operator.getitem or node.target in _UNANNOTATED_VIEWS:
+    if node.target is operator.getitem or node.target in UNANNOTATED_VIEWS:
         return True
     schema = getattr(node.target, "_schema", None)
     returns = schema.returns if schema is not None else []
