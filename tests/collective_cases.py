@@ -273,3 +273,32 @@ def on_mesh_dims() -> dict[str, float]:
         "tp grad": rel(x.grad, torch.full((3,), 2.0, dtype=torch.float64)),  # I: two summands of 1
         "dp shift": rel(z.detach(), torch.full((3,), float(dp_peer + 1), dtype=torch.float64)),
     }
+
+
+# ------------------------------------------------------------- the eager emitter on gloo
+
+def reduce_scatter_as_emitted(seed: int) -> dict[str, Any]:
+    """A bucket's reduce_scatter as `backends.emit` runs it on gloo: the ops it runs, and its
+    result against the sum's rows this rank owns."""
+    import torch.fx as fx
+
+    from torch_hca.backends.emit import eager_graph, emit
+
+    name, rank, n = _world()
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    bucket = g.call_function(aten.cat.default, ([a, b],))
+    scattered = g.call_function(c10d.reduce_scatter_tensor.default, (bucket, "sum", n, name))
+    g.output((g.call_function(c10d.wait_tensor.default, (scattered,)),))
+    a.meta["val"], b.meta["val"] = torch.empty(n, 3), torch.empty(2 * n, 3)
+    bucket.meta["val"] = torch.empty(3 * n, 3)
+    gm = fx.GraphModule({}, g)
+    inputs = [[torch.randn(n, 3, generator=torch.Generator().manual_seed(seed + 10 * r + i)) for i in (0, 1)]
+              for r in range(n)]
+    inputs = [[x, torch.cat([x, x])] for x, _ in inputs]
+    total = sum(torch.cat(pair) for pair in inputs)
+    (out,) = emit(gm, inputs[rank], "eager")(list(inputs[rank]))
+    return {"ops": [str(node.target) for node in eager_graph(gm).graph.nodes if node.op == "call_function"],
+            "report_ops": [str(node.target) for node in gm.graph.nodes if node.op == "call_function"],
+            "err": rel(out, total[3 * rank:3 * rank + 3]), "shape": list(out.shape), "own_storage": out._base is None}

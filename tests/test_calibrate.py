@@ -26,6 +26,10 @@ def test_every_rank_gets_rank_zeros_figures(worlds):
     assert 1e-8 < figures["op_s"] < 1e-3  # host time to issue one op: microseconds
     assert figures["sync_s"] >= 0  # a wait after compute, beyond the transfer
     assert 0 < figures["call_s"] < 0.1  # a compiled graph's call beyond its ops: a millisecond or so
+    assert 1e6 < figures["gather_bytes_per_s"] < 1e12
+    # gloo's reduce_scatter runs as an all_reduce of its input: twice the ring's wire bytes in
+    # about an all_reduce's time, so about half the all_reduce's rate per wire byte.
+    assert 1e6 < figures["scatter_bytes_per_s"] < figures["bytes_per_s"]
 
 
 def test_needs_a_process_group():

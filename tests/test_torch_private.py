@@ -65,6 +65,10 @@ def test_group_size(fake_pg):
     assert tp.group_size(name) == fake_pg.size() == torch.distributed.get_world_size()
 
 
+def test_group_backend(fake_pg):
+    assert tp.group_backend(fake_pg.get_group().group_name) == "fake"
+
+
 def test_record_implicit_redistributions(fake_pg):
     sharded = distribute_tensor(torch.randn(8, 4), fake_pg, [Shard(0)])
     replicated = distribute_tensor(torch.randn(8, 4), fake_pg, [Replicate()])

@@ -47,6 +47,15 @@ def group_rank(group_name: str) -> int:
     return _resolve_process_group(group_name).rank()
 
 
+def group_backend(group_name: str) -> str:
+    """The backend string of the process group a `_c10d_functional` op names ("gloo", "nccl",
+    or "cpu:gloo,cuda:nccl" for a group with one per device type)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return str(dist.get_backend(_resolve_process_group(group_name)))
+
+
 def default_store():
     """The rendezvous store of the default process group (`TCPStore` or a prefix of it).
 

@@ -10,6 +10,8 @@ defaults are rough. This measures, on the current process group and device:
     every rank (median), less ``launch_s``: inside a step the ranks arrive
     apart, and the first waits for the last;
   * bandwidth: an all_reduce of 4 MiB, less the latency, over its ring wire bytes;
+    the same for an all_gather into 4 MiB and a reduce_scatter of 4 MiB, run as the
+    emitter runs them (a reduce_scatter on gloo: an all_reduce, this rank's rows copied out);
   * compute: a training step of a small MLP (4 x Linear(256, 256) + ReLU on 256 rows,
     forward and backward: 11 matmuls' FLOPs over its median time, so the rate includes
     what a step pays besides the matmuls, on all ranks at once as in a step);
@@ -218,6 +220,10 @@ def _measure(repeats: int) -> dict[str, float]:
     gather_s = timed(lambda: dist.all_gather_single(out, tiny))
     reduce_s = timed(lambda: dist.all_reduce(tiny))
     big_s = timed(lambda: dist.all_reduce(big))
+    piece = torch.empty(big.numel() // n, device=device)
+    big_gather_s = timed(lambda: dist.all_gather_into_tensor(big, piece))
+    bucket = torch.zeros_like(big)  # the scatter sums it in place, again and again: zeros stay zeros
+    big_scatter_s = timed(lambda: _reduce_scatter_as_emitted(bucket, piece))
     step, step_flops = _mlp_step(device)
     dist.barrier()
     step_s = _median_s(lambda: (step(), sync()), max(repeats // 2, 3))
@@ -231,18 +237,36 @@ def _measure(repeats: int) -> dict[str, float]:
     # What the same collective costs right after compute, beyond its transfer: the ranks reach
     # it at different times, and the first waits for the last.
     sync = max(synced_s - gather_s, 0.0)
-    wire = RULES[Kind.ALL_REDUCE].wire_bytes(big.numel() * 4, n)
-    measured = dict(zip(FIELDS, [
-        launch, alpha,
-        wire / max(big_s - reduce_s, 1e-9),
-        step_flops / step_s,
-        2 * src.numel() * 4 / copy_s,  # read and write
-        op_s, sync, 0.0,
-    ]))
+
+    def rate(kind: Kind, seconds: float) -> float:
+        """Wire bytes per second of `kind` on 4 MiB, less the latency an all_reduce of 4 bytes pays."""
+        return RULES[kind].wire_bytes(big.numel() * 4, n) / max(seconds - reduce_s, 1e-9)
+
+    measured = {
+        "launch_s": launch, "alpha_s": alpha,
+        "bytes_per_s": rate(Kind.ALL_REDUCE, big_s),
+        "flops_per_s": step_flops / step_s,
+        "memory_bytes_per_s": 2 * src.numel() * 4 / copy_s,  # read and write
+        "op_s": op_s, "sync_s": sync, "call_s": 0.0,
+        "gather_bytes_per_s": rate(Kind.ALL_GATHER, big_gather_s),
+        "scatter_bytes_per_s": rate(Kind.REDUCE_SCATTER, big_scatter_s),
+    }
     measured["call_s"] = _call_s(measured, device, repeats)
     figures = torch.tensor([measured[k] for k in FIELDS], dtype=torch.float64, device=device)
     dist.broadcast(figures, src=0)
     return dict(zip(FIELDS, (float(x) for x in figures.tolist())))
+
+
+def _reduce_scatter_as_emitted(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Sum `x` over the world into this rank's rows `out`, as `backends.emit` runs a bucket's
+    reduce_scatter: on gloo, an all_reduce in place and a copy of this rank's rows; elsewhere
+    the transport's own (`x` then holds the sum)."""
+    if x.device.type == "cpu" and "gloo" in str(dist.get_backend()):
+        start = dist.get_rank() * out.shape[0]
+        dist.all_reduce(x)
+        out.copy_(x[start:start + out.shape[0]])
+    else:
+        dist.reduce_scatter_tensor(out, x)
 
 
 def _calibrate_and_store() -> dict[str, float]:

@@ -15,7 +15,9 @@ of a compiled graph also costs ``call_s`` of host time beyond its ops (Dynamo's
 guards, the runtime wrappers, the input check, the autograd engine's node).
 
 The defaults are rough figures for the two transports torch_hca targets;
-calibrate them for a cluster with ``options={"cost_model": {...}}``:
+calibrate them for a cluster with ``options={"cost_model": {...}}``. An all_gather and
+a reduce_scatter use their own wire rates where set (gloo has no reduce-scatter of its
+own; the emitter runs one as an all_reduce, which sends twice the ring's bytes):
 
 | field              | gloo (CPU, TCP) | nccl (GPU)  |
 |--------------------|-----------------|-------------|
@@ -27,6 +29,8 @@ calibrate them for a cluster with ``options={"cost_model": {...}}``:
 | op_s               | 5e-6            | 5e-6        |
 | sync_s             | 0               | 0           |
 | call_s             | 0               | 0           |
+| gather_bytes_per_s | 0 (bytes_per_s) | 0           |
+| scatter_bytes_per_s| 0.5e9           | 0           |
 
 Figures measured once per machine are kept on disk: ``hca.calibrate(cache=True)``
 (or ``python -m torch_hca calibrate``) stores them in ``calibration.json`` under
@@ -77,20 +81,24 @@ class CostModel:
     op_s: float = 5e-6  # host seconds to issue one op of the program
     sync_s: float = 0.0  # seconds a collective after compute waits for the slowest rank
     call_s: float = 0.0  # host seconds one call of a compiled graph costs beyond its ops
+    # The all_gather's and reduce_scatter's own wire rates where the transport's differ from the
+    # all_reduce's (0: bytes_per_s). gloo has no reduce-scatter: it runs as an all_reduce.
+    gather_bytes_per_s: float = 0.0
+    scatter_bytes_per_s: float = 0.0
 
     def collective_s(self, kind: Kind, payload_bytes: float, n: int) -> float:
         """Seconds for one collective of `kind` on `payload_bytes` over `n` ranks."""
         steps = ring_steps(kind, n)
         if steps == 0:
             return 0.0
-        return (self.launch_s + self.sync_s + self.alpha_s * steps
-                + RULES[kind].wire_bytes(payload_bytes, n) / self.bytes_per_s)
+        return self.launch_s + self.sync_s + self.alpha_s * steps + self.bandwidth_s(kind, payload_bytes, n)
 
     def bandwidth_s(self, kind: Kind, payload_bytes: float, n: int) -> float:
         """The bandwidth term alone: a collective merged into a bucket shares its latency."""
         if ring_steps(kind, n) == 0:
             return 0.0
-        return RULES[kind].wire_bytes(payload_bytes, n) / self.bytes_per_s
+        own = {Kind.ALL_GATHER: self.gather_bytes_per_s, Kind.REDUCE_SCATTER: self.scatter_bytes_per_s}.get(kind)
+        return RULES[kind].wire_bytes(payload_bytes, n) / (own or self.bytes_per_s)
 
     def compute_s(self, flops: float, bytes_touched: float) -> float:
         """Seconds for one op: the slower of its arithmetic and its memory traffic."""
@@ -117,7 +125,7 @@ class CostModel:
 
 DEFAULTS: dict[str, CostModel] = {
     "gloo": CostModel(launch_s=50e-6, alpha_s=20e-6, bytes_per_s=1e9, flops_per_s=20e9, memory_bytes_per_s=10e9,
-                      op_s=5e-6),
+                      op_s=5e-6, scatter_bytes_per_s=0.5e9),  # an all_reduce: twice the ring's wire bytes
     "nccl": CostModel(launch_s=10e-6, alpha_s=5e-6, bytes_per_s=50e9, flops_per_s=50e12, memory_bytes_per_s=3e12,
                       op_s=5e-6),
 }
@@ -161,12 +169,14 @@ def with_overrides(model: CostModel, overrides: Mapping[str, Any] | None) -> Cos
     if unknown:
         raise OptionsError(f"options['cost_model']: unknown field(s) {unknown}; the fields are {sorted(fields)}")
     for key, value in overrides.items():
-        latency = key in ("launch_s", "alpha_s", "op_s", "sync_s", "call_s")  # may be 0; rates may not
+        # Latencies may be 0, and the kinds' own rates (0: bytes_per_s); other rates may not.
+        may_be_zero = key in ("launch_s", "alpha_s", "op_s", "sync_s", "call_s", "gather_bytes_per_s",
+                              "scatter_bytes_per_s")
         if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
-                or value < 0 or (value == 0 and not latency)):
+                or value < 0 or (value == 0 and not may_be_zero)):
             raise OptionsError(
                 f"options['cost_model'][{key!r}] = {value!r}; give a finite number "
-                f"{'>= 0' if latency else '> 0'}" + ("" if latency else " (a huge one, e.g. 1e15, makes it free)")
+                f"{'>= 0' if may_be_zero else '> 0'}" + ("" if may_be_zero else " (a huge one, e.g. 1e15, makes it free)")
             )
     return dataclasses.replace(model, **{k: float(v) for k, v in overrides.items()})
 

@@ -15,8 +15,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .._torch_private import clear_dtensor_sharding_cache, ddp_bucket_bytes
+from .._torch_private import clear_dtensor_sharding_cache, ddp_bucket_bytes, group_backend
 from ..calibrate import cached_calibrate
+from ..spmd.collective_kinds import Kind, bytes_per_rank
 from ..spmd.cost_model import DEFAULTS, backend_for
 from ..mesh import init_mesh
 from ..report import report
@@ -118,10 +119,10 @@ class Contestant:
 
 
 def _hca_extras(compiled) -> dict:
-    """What hca's own report says: its graphs' collective bytes and, when the report
-    has a timeline, the estimated exposed communication before and after scheduling."""
+    """What hca's own report says: its graphs' collective bytes as they run and, when the
+    report has a timeline, the estimated exposed communication before and after scheduling."""
     rep = report(compiled)
-    out = {"report_bytes_per_step": sum(c.wire_bytes for c in rep.collectives),
+    out = {"report_bytes_per_step": sum(_wire_bytes_as_run(c) for c in rep.collectives),
            "exposed_comm_est_s": None, "exposed_comm_est_unscheduled_s": None, "est_step_s": None,
            "est_compute_s": None, "est_comm_s": None}
     if hasattr(rep, "timeline"):
@@ -129,6 +130,14 @@ def _hca_extras(compiled) -> dict:
         out.update(exposed_comm_est_s=tl.after.exposed_comm_s, exposed_comm_est_unscheduled_s=tl.before.exposed_comm_s,
                    est_step_s=tl.after.total_s, est_compute_s=tl.after.compute_s, est_comm_s=tl.after.comm_s)
     return out
+
+
+def _wire_bytes_as_run(c) -> float:
+    """A report collective's ring bytes per rank as the emitter runs it: a reduce_scatter on
+    gloo runs as an all_reduce of the same buffer (`backends/emit.py`; every bench rank is CPU)."""
+    if c.kind == Kind.REDUCE_SCATTER.value and "gloo" in group_backend(c.group):
+        return bytes_per_rank(Kind.ALL_REDUCE, c.bytes, c.group_size)
+    return c.wire_bytes
 
 
 # ------------------------------------------------------------ one model, then every model on this rank
