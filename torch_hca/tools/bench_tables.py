@@ -151,7 +151,8 @@ FOOTNOTES = [
     "implementation of each logical collective (all-reduce 2(n-1)/n S, all-gather and reduce-scatter (n-1)/n S), "
     "read from the c10d ops (c10d::allreduce_, c10d::_allgather_base_, ...) of one profiled step after the timed "
     "ones: every contestant is counted the same way, compiled graphs, DDP buckets and FSDP2 included. gloo itself "
-    "runs a reduce-scatter as a full all-reduce; that is not counted. All groups are taken to span the world.",
+    "runs a reduce-scatter as a full all-reduce; that is not counted. hca runs its reduce-scatters on gloo as "
+    "all-reduces itself, and those are counted as all-reduces. All groups are taken to span the world.",
     "x min: bytes/step over the analytic minimum of the model's textbook strategy (in its header: Megatron "
     "activations for tensor parallel, gradients for data parallel, weights and gradients for FSDP). A contestant "
     "may run the same storage differently (hca's layout solver may gather small weights instead of reducing "
