@@ -117,6 +117,25 @@ def test_two_d_mesh(fake_pg):
     assert groups["forward"] != groups["backward"]  # tp in forward, dp in backward
 
 
+def test_two_d_probes_each_mesh_dim_first_and_chooses_the_same(fake_pg, monkeypatch):
+    """A combination of layouts on a (2, 2) mesh is probed whole only where each mesh dim's part
+    runs alone on its 1-D mesh: far fewer of DTensor's slow 2-D probes, the same strategies."""
+    def solve(shortcut: bool):
+        monkeypatch.setattr(layout_candidates, "_PROBES", {})  # the probe cache is process-wide
+        if not shortcut:
+            monkeypatch.setattr(layout_candidates, "_submeshes", lambda mesh: [])
+        rep = _two_d_mlp()
+        whole = sum(len(key[-1]) == 2 for key in layout_candidates._PROBES)  # key[-1]: the mesh's shape
+        return rep, whole
+
+    fast, fast_whole = solve(True)
+    slow, slow_whole = solve(False)
+    assert fast_whole < slow_whole / 4, (fast_whole, slow_whole)
+    assert [(c.kind, c.bytes, c.direction, c.node) for c in fast.collectives] == \
+        [(c.kind, c.bytes, c.direction, c.node) for c in slow.collectives]
+    assert fast.graph.layout["values"] == slow.graph.layout["values"]
+
+
 def test_two_d_mesh_with_cheaper_compute_gathers_the_batch(fake_pg):
     # Five times the default compute rate (what one core's sgemm reaches here): replicating
     # the small MLP's work over dp now beats reducing its gradients. The batch is gathered
