@@ -24,6 +24,7 @@ from functorch.compile import make_boxed_func
 
 from torch_hca._torch_private import copy_graph_module, group_backend, group_rank, inductor_waits_late
 from torch_hca.passes.events import UNANNOTATED_VIEWS, is_view, written
+from torch_hca.spmd.cost_model import scatter_runs_as_all_reduce
 
 _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 _ALL_REDUCE_IN_PLACE = torch.ops._c10d_functional.all_reduce_.default
@@ -40,28 +41,27 @@ def emit(gm: fx.GraphModule, example_inputs: list[Any], inner: str, is_backward:
         # keeps the graph the passes emitted. Its scheduler would wait on each collective
         # right after starting it; the schedule pass placed the waits late, and so must it.
         gm = copy_graph_module(gm)
-        if _scatters_on_gloo(gm):
-            _scatter_by_all_reduce(gm)
+        if _scatter_by_all_reduce(gm):
+            gm.recompile()
         with inductor_waits_late():
             return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
     return make_boxed_func(eager_graph(gm).forward)
 
 
 def eager_graph(gm: fx.GraphModule) -> fx.GraphModule:
-    """What the eager emitter runs: a copy of `gm` without skippable detaches, whose all_reduces
-    of fresh, otherwise unread buffers run in place (`gm` itself, if neither occurs).
+    """What the eager emitter runs: a copy of `gm` whose reduce_scatters on gloo run as
+    all_reduces, without skippable detaches, whose all_reduces of fresh, otherwise unread
+    buffers run in place (`gm` itself, if none of these occurs).
 
     The functional all_reduce copies its input first (3 MiB of gradients cost about
     1 ms on one CPU core); where nothing else reads the input, that copy is waste. A
     detach costs a few microseconds of dispatch each, and a backward has dozens.
     The report keeps the graph as the passes emitted it.
     """
-    scatters = _scatters_on_gloo(gm)
-    if not (scatters or _skippable_detaches(gm) or _reductions_in_place(gm)):
+    if not (_scatters_on_gloo(gm) or _skippable_detaches(gm) or _reductions_in_place(gm)):
         return gm
     gm = copy_graph_module(gm)
-    if scatters:
-        _scatter_by_all_reduce(gm)
+    _scatter_by_all_reduce(gm)
     for node in _skippable_detaches(gm):
         node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)
@@ -77,21 +77,23 @@ def _scatters_on_gloo(gm: fx.GraphModule) -> list[fx.Node]:
     for rs in gm.graph.find_nodes(op="call_function", target=_REDUCE_SCATTER):
         x, op, n, group = rs.args[:4]
         val = x.meta.get("val") if isinstance(x, fx.Node) else None
-        if (op == "sum" and isinstance(val, torch.Tensor) and val.device.type == "cpu"
-                and isinstance(val.shape[0], int) and val.shape[0] % n == 0 and "gloo" in group_backend(group)):
+        if (op == "sum" and isinstance(val, torch.Tensor) and isinstance(val.shape[0], int) and val.shape[0] % n == 0
+                and scatter_runs_as_all_reduce(group_backend(group), val.device.type)):
             found.append(rs)
     return found
 
 
-def _scatter_by_all_reduce(gm: fx.GraphModule) -> None:
-    """reduce_scatter(x) -> all_reduce(x)[this rank's rows], copied after the wait.
+def _scatter_by_all_reduce(gm: fx.GraphModule) -> bool:
+    """reduce_scatter(x) -> all_reduce(x)[this rank's rows], copied after the wait, in `gm`'s
+    graph (the caller recompiles); whether there was any.
 
     The rows are a view of the sum, so the wait (which finds its collective by storage)
     completes them; the copy after it frees the other ranks' rows, whose memory a sharded
     gradient would otherwise keep alive.
     """
     graph = gm.graph
-    for rs in _scatters_on_gloo(gm):
+    scatters = _scatters_on_gloo(gm)
+    for rs in scatters:
         x, op, n, group = rs.args[:4]
         rows = x.meta["val"].shape[0] // n
         start = group_rank(group) * rows
@@ -107,7 +109,7 @@ def _scatter_by_all_reduce(gm: fx.GraphModule) -> None:
                 own = graph.call_function(torch.ops.aten.clone.default, (wait,))
             own.meta["val"] = mine.meta["val"].clone()
             wait.replace_all_uses_with(own, delete_user_cb=lambda user: user is not own)
-    gm.recompile()
+    return bool(scatters)
 
 
 def _skippable_detaches(gm: fx.GraphModule) -> list[fx.Node]:

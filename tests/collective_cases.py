@@ -294,9 +294,8 @@ def reduce_scatter_as_emitted(seed: int) -> dict[str, Any]:
     a.meta["val"], b.meta["val"] = torch.empty(n, 3), torch.empty(2 * n, 3)
     bucket.meta["val"] = torch.empty(3 * n, 3)
     gm = fx.GraphModule({}, g)
-    inputs = [[torch.randn(n, 3, generator=torch.Generator().manual_seed(seed + 10 * r + i)) for i in (0, 1)]
-              for r in range(n)]
-    inputs = [[x, torch.cat([x, x])] for x, _ in inputs]
+    firsts = [torch.randn(n, 3, generator=torch.Generator().manual_seed(seed + r)) for r in range(n)]
+    inputs = [[x, torch.cat([x, x])] for x in firsts]
     total = sum(torch.cat(pair) for pair in inputs)
     (out,) = emit(gm, inputs[rank], "eager")(list(inputs[rank]))
     return {"ops": [str(node.target) for node in eager_graph(gm).graph.nodes if node.op == "call_function"],

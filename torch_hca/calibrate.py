@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .spmd.collective_kinds import RULES, Kind
-from .spmd.cost_model import CostModel, cached_calibration, store_calibration
+from .spmd.cost_model import CostModel, cached_calibration, scatter_runs_as_all_reduce, store_calibration
 from .errors import HCAError, MeshError
 from .mesh import current_mesh
 
@@ -261,7 +261,7 @@ def _reduce_scatter_as_emitted(x: torch.Tensor, out: torch.Tensor) -> None:
     """Sum `x` over the world into this rank's rows `out`, as `backends.emit` runs a bucket's
     reduce_scatter: on gloo, an all_reduce in place and a copy of this rank's rows; elsewhere
     the transport's own (`x` then holds the sum)."""
-    if x.device.type == "cpu" and "gloo" in str(dist.get_backend()):
+    if scatter_runs_as_all_reduce(str(dist.get_backend()), x.device.type):
         start = dist.get_rank() * out.shape[0]
         dist.all_reduce(x)
         out.copy_(x[start:start + out.shape[0]])

@@ -136,6 +136,14 @@ def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
+def scatter_runs_as_all_reduce(backend: str, device_type: str) -> bool:
+    """Whether a sum's reduce_scatter of `device_type` tensors on a group of `backend` (a process
+    group's backend string, e.g. "gloo" or "cpu:gloo,cuda:nccl") runs as an all_reduce of its
+    input: gloo has no reduce-scatter of its own, so the emitter runs one that way
+    (`backends/emit.py`), and the calibration and the bench's byte count follow it."""
+    return device_type == "cpu" and "gloo" in backend
+
+
 def cost_model(backend: str, overrides: Mapping[str, Any] | None = None) -> CostModel:
     """The default model for `backend` ("gloo" or "nccl") with `overrides` applied."""
     if backend not in DEFAULTS:

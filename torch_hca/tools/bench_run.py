@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from .._torch_private import clear_dtensor_sharding_cache, ddp_bucket_bytes, group_backend
 from ..calibrate import cached_calibrate
 from ..spmd.collective_kinds import Kind, bytes_per_rank
-from ..spmd.cost_model import DEFAULTS, backend_for
+from ..spmd.cost_model import DEFAULTS, backend_for, scatter_runs_as_all_reduce
 from ..mesh import init_mesh
 from ..report import report
 from .bench_models import ALTERNATIVES, CONTESTANTS, LR, Spec, analytic_min, applies, build, specs
@@ -134,8 +134,8 @@ def _hca_extras(compiled) -> dict:
 
 def _wire_bytes_as_run(c) -> float:
     """A report collective's ring bytes per rank as the emitter runs it: a reduce_scatter on
-    gloo runs as an all_reduce of the same buffer (`backends/emit.py`; every bench rank is CPU)."""
-    if c.kind == Kind.REDUCE_SCATTER.value and "gloo" in group_backend(c.group):
+    gloo runs as an all_reduce of the same buffer (every bench rank is CPU)."""
+    if c.kind == Kind.REDUCE_SCATTER.value and scatter_runs_as_all_reduce(group_backend(c.group), "cpu"):
         return bytes_per_rank(Kind.ALL_REDUCE, c.bytes, c.group_size)
     return c.wire_bytes
 
