@@ -41,6 +41,7 @@ def run(tmp_path_factory):
     out, traces = folder / "bench.json", folder / "traces"
     proc = subprocess.run(
         [sys.executable, "-m", "torch_hca", "bench", "--tiny", "--models", ",".join(MODELS), "--steps", "1", "--rounds", "2",
+         "--round-ms", "10",
          "--profile", str(traces), "--json", str(out)],
         capture_output=True, text=True, timeout=900,
         # The bench calibrates and caches: in its own folder, not the session's (which stays empty).
@@ -118,13 +119,19 @@ def test_step_profile_counts_each_c10d_op_once_as_a_ring(fake_pg):
 
 def test_timed_steps_come_in_rounds_and_each_model_has_a_regret(run):
     records, stdout, _ = run
-    for r in records:
-        assert len(r["round_step_times_s"]) == 2 and len(r["step_times_s"]) == 2, r
     for model in MODELS:
-        hca_rec = next(r for r in records if r["model"] == model and r["contestant"] == "hca")
-        alts = {r["contestant"]: r["step_time_s"] for r in records if r["model"] == model and r["contestant"] in ALTERNATIVES}
+        rows = [r for r in records if r["model"] == model]
+        # --round-ms 10: each contestant of a model takes the same number of steps per round, at least --steps.
+        per_round = {len(r["step_times_s"]) / 2 for r in rows}
+        assert all(len(r["round_step_times_s"]) == 2 for r in rows) and len(per_round) == 1, rows
+        assert per_round.pop() >= 1
+        hca_rec = next(r for r in rows if r["contestant"] == "hca")
+        alts = {r["contestant"]: r["step_time_s"] for r in rows if r["contestant"] in ALTERNATIVES}
         assert hca_rec["regret_alternatives_s"] == alts and alts
-        assert hca_rec["regret"] == pytest.approx(hca_rec["step_time_s"] / min(alts.values()))
+        same = [c for c in alts if next(r for r in rows if r["contestant"] == c)["program_sha1"] == hca_rec["program_sha1"]]
+        assert hca_rec["regret_same_program"] == same
+        counted = {c: hca_rec["step_time_s"] if c in same else t for c, t in alts.items()}
+        assert hca_rec["regret"] == pytest.approx(hca_rec["step_time_s"] / min(counted.values()))
     assert stdout.count("\nregret ") == len(MODELS)
     # The cost model's prediction of hca's step, next to the clock, once per model.
     assert stdout.count("\npredicted ") == len(MODELS) and "the cost model is off by" in stdout
@@ -215,3 +222,34 @@ def test_a_wrong_gradient_is_named_and_fails_the_run():
     assert [r["contestant"] for r in wrong_gradients(rows)] == ["hca_inductor"]
     (line,) = _wrong_gradients_line(rows)
     assert line.startswith("WRONG GRADIENTS: hca_inductor (max rel err 1.0e+00 > 1e-05")
+
+
+def test_regret_counts_an_alternative_that_emits_hcas_program_at_hcas_time():
+    from torch_hca.tools.bench_run import _regret
+
+    hca_rec = {"contestant": "hca", "step_time_s": 0.010, "program_sha1": "a"}
+    same = {"contestant": "hca_dtensor_layout", "step_time_s": 0.008, "program_sha1": "a"}  # noise alone
+    other = {"contestant": "hca_dp", "step_time_s": 0.012, "program_sha1": "b"}
+    got = _regret(hca_rec, [hca_rec, same, other])
+    assert got["regret"] == 1.0 and got["regret_vs"] == "hca_dtensor_layout"
+    assert got["regret_same_program"] == ["hca_dtensor_layout"]
+    assert got["regret_alternatives_s"] == {"hca_dtensor_layout": 0.008, "hca_dp": 0.012}
+    faster = {**other, "step_time_s": 0.005}  # a different program that is faster still counts
+    got = _regret(hca_rec, [hca_rec, same, faster])
+    assert got["regret"] == pytest.approx(2.0) and got["regret_vs"] == "hca_dp"
+
+
+@pytest.mark.parametrize("fake_pg", [2], indirect=True)
+def test_hca_dp_keeps_the_plans_storage_and_hca_dp_replicated_does_not(fake_pg):
+    from torch_hca.tools.bench_models import build
+
+    for spec in (s for s in specs(tiny=True).values() if s.kind == "tp"):
+        torch.manual_seed(0)
+        ref = spec.build()
+        planned = {n for n, p in build(spec, "hca", ref, fake_pg, {}).model.named_parameters()
+                   if isinstance(p, DTensor) and not all(q.is_replicate() for q in p.placements)}
+        dp = build(spec, "hca_dp", ref, fake_pg, {})
+        assert dp.split and planned and {n for n, p in dp.model.named_parameters()
+                                         if isinstance(p, DTensor) and not all(q.is_replicate() for q in p.placements)} == planned
+        assert not any(isinstance(p, DTensor) and not all(q.is_replicate() for q in p.placements)
+                       for p in build(spec, "hca_dp_replicated", ref, fake_pg, {}).model.parameters())

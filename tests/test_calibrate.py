@@ -56,3 +56,11 @@ def test_call_s_is_zero_with_a_warning_when_the_probe_did_not_compile(fake_pg, m
     monkeypatch.setattr(importlib.import_module("torch_hca.report"), "report", uncompiled)
     with pytest.warns(UserWarning, match="call_s is 0: the probe module did not compile with hca"):
         assert cal._call_s(dataclasses.asdict(DEFAULTS["gloo"]), torch.device("cpu"), 3) == 0.0
+
+
+def test_latency_and_bandwidth_are_the_line_through_the_all_reduces():
+    cal = importlib.import_module("torch_hca.calibrate")
+    wires = [64e3, 512e3, 4e6]
+    slope, intercept = cal._line(wires, [1e-3 + w / 2e9 for w in wires])
+    assert slope == pytest.approx(1 / 2e9) and intercept == pytest.approx(1e-3)
+    assert cal._line([1.0, 1.0], [2.0, 3.0]) == (0.0, 2.5)  # no spread: no slope to read

@@ -195,3 +195,22 @@ def test_test_transformer_megatron_is_the_megatron_minimum(fake_pg):
     assert rep.collective_counts("forward") == {"all_reduce": 2 * layers, "all_gather": 1}
     assert rep.collective_counts("backward") == {"all_reduce": 2 * layers}
     assert rep.graph.layout["left_to_dtensor"] == []
+
+
+def test_fsdp_gradients_reduce_scattered_on_gloo_run_as_all_reduces(worlds):
+    """A zoo model's FSDP gradients through the emitter's gloo lowering (backends/emit.py): each
+    reduce_scatter of the report runs as an all_reduce of which the rank keeps its rows.
+
+    At the default costs the solver gathers activations on these models, so no reduce_scatter
+    reaches the emitter; a slow compute rate makes gathering compute-heavy and reduce-scattering
+    the gradients the cheaper choice."""
+    options = {**zoo_cases.backend_options(), "cost_model": {"flops_per_s": 1e8}}
+    results = worlds(2).run(zoo_cases.zoo_parity, "llama", "fsdp", STEPS, "sgd", options, True,
+                            timeout_s=RUN_TIMEOUT_S)
+    _assert_parity("llama", results)
+    first = results[0]
+    scattered = first["backward"].get("reduce_scatter", 0)
+    assert scattered >= 1, first["backward"]
+    ran = first["ran"]["backward"]
+    assert "reduce_scatter" not in ran, ran
+    assert ran.get("all_reduce", 0) == first["backward"].get("all_reduce", 0) + scattered, (ran, first["backward"])

@@ -26,6 +26,7 @@ parameters 1.1e-5); test_parity.py's sequence-parallel docstring saw the same.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from typing import Any
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor
 
 import torch_hca as hca
+from torch_hca.tools.step_profile import StepProfile
 
 import model_zoo
 from dist_cases import full, rel_err
@@ -63,10 +65,11 @@ def _optimizer(name: str, params) -> torch.optim.Optimizer:
 
 
 def zoo_parity(model_name: str, plan_name: str, steps: int = 2, optimizer: str = "sgd",
-               options: dict | None = None) -> dict[str, Any]:
+               options: dict | None = None, count_c10d: bool = False) -> dict[str, Any]:
     """Outputs, gradients and `steps` optimizer steps of the sharded, hca-compiled model
     against the single-device reference, plus the report's graphs and collectives.
-    ``options``: backend options to use instead of `backend_options()`."""
+    ``options``: backend options to use instead of `backend_options()`. ``count_c10d``: also
+    the c10d ops the compiled forward and backward of the last step ran (``ran``, by kind)."""
     torch._dynamo.reset()
     world_size = dist.get_world_size()
     torch.manual_seed(0)
@@ -94,14 +97,19 @@ def zoo_parity(model_name: str, plan_name: str, steps: int = 2, optimizer: str =
     opt = _optimizer(optimizer, model.parameters())  # named_parameters/parameters: a tied weight once
     ref_opt = _optimizer(optimizer, ref.parameters())
     for step, xs in enumerate(batches):
+        counting = count_c10d and step == len(batches) - 1
         t0 = time.perf_counter()
-        out = compiled(*local(xs))
+        with StepProfile(world_size) if counting else contextlib.nullcontext() as forward_ran:
+            out = compiled(*local(xs))
         t1 = time.perf_counter()
         full_out = full(out, mesh, spec.outputs)
         loss = loss_fn(full_out, xs)
         t2 = time.perf_counter()
-        loss.backward()
+        with StepProfile(world_size) if counting else contextlib.nullcontext() as backward_ran:
+            loss.backward()
         t3 = time.perf_counter()
+        if counting:  # the eager gather of the output (`full`) and its backward run outside these
+            result["ran"] = {"forward": forward_ran.by_kind, "backward": backward_ran.by_kind}
         ref_out = ref(*xs)
         ref_loss = loss_fn(ref_out, xs)
         ref_loss.backward()

@@ -22,7 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--world-size", type=int, default=2)
     bench = sub.add_parser("bench", help="hca next to DTensor eager/Inductor, hand-written TP, DDP and FSDP2")
     bench.add_argument("--world-size", type=int, default=2)
-    bench.add_argument("--steps", type=int, default=5)
+    bench.add_argument("--steps", type=int, default=5,
+                       help="timed steps per contestant and round, at least (see --round-ms)")
+    bench.add_argument("--round-ms", type=float, default=250.0, metavar="MS",
+                       help="a model whose contestants' steps are short takes more timed steps per round, enough "
+                            "to fill about MS milliseconds each (default 250; 0: --steps exactly)")
     bench.add_argument("--models", default=",".join(MODELS), help="comma-separated (default: all)")
     bench.add_argument("--contestants", default=",".join(CONTESTANTS),
                        help="comma-separated (default: all); each runs on the models it applies to")
@@ -47,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         split = lambda s: [v.strip() for v in s.split(",") if v.strip()]
         return bench_main(args.world_size, args.steps, split(args.models), split(args.contestants), args.json,
                           args.tiny, args.default_costs, recalibrate=args.recalibrate, rounds=args.rounds,
-                          profile_dir=args.profile)
+                          profile_dir=args.profile, round_ms=args.round_ms)
     if args.command == "calibrate":
         from .calibrate import calibrate_local
 

@@ -3,15 +3,20 @@
 The layout solver and the timeline use `torch_hca.spmd.cost_model.CostModel`; its
 defaults are rough. This measures, on the current process group and device:
 
-  * latency: an all_gather and an all_reduce of 4 bytes, whose difference
-    separates the per-round ``alpha_s`` from the per-call ``launch_s``
-    (ring rounds: n-1 against 2(n-1));
+  * latency and bandwidth: all_reduces of 64 KiB, 512 KiB and 4 MiB, the sizes a
+    step's activations and gradient buckets have, and the line through their times
+    by least squares against their ring wire bytes: its slope is ``bytes_per_s``,
+    its intercept the per-call latency. (A 4-byte all_reduce, 0.5 ms on average on a
+    2-core VM, would promise a latency that a step's collectives, 1.7-2.5 ms on average
+    from 64 KiB to 512 KiB there, never see.) An all_gather and an all_reduce of 4 bytes, whose difference
+    separates the per-round ``alpha_s`` from the per-call ``launch_s`` (ring rounds:
+    n-1 against 2(n-1));
   * ``sync_s``: the 4-byte all_gather issued right after a compute burst on
-    every rank (median), less ``launch_s``: inside a step the ranks arrive
-    apart, and the first waits for the last;
-  * bandwidth: an all_reduce of 4 MiB, less the latency, over its ring wire bytes;
-    the same for an all_gather into 4 MiB and a reduce_scatter of 4 MiB, run as the
-    emitter runs them (a reduce_scatter on gloo: an all_reduce, this rank's rows copied out);
+    every rank (median), less the same all_gather alone: inside a step the ranks
+    arrive apart, and the first waits for the last;
+  * the all_gather's and reduce_scatter's own rates: an all_gather into 4 MiB and a
+    reduce_scatter of 4 MiB, run as the emitter runs them (a reduce_scatter on gloo:
+    an all_reduce, this rank's rows copied out), less the latency, over their wire bytes;
   * compute: a training step of a small MLP (4 x Linear(256, 256) + ReLU on 256 rows,
     forward and backward: 11 matmuls' FLOPs over its median time, so the rate includes
     what a step pays besides the matmuls, on all ranks at once as in a step);
@@ -37,6 +42,7 @@ cache from local gloo ranks.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 import warnings
@@ -67,13 +73,16 @@ def _times(fn: Callable[[], None], repeats: int) -> list[float]:
     return times
 
 
-def _best_s(fn: Callable[[], None], repeats: int) -> float:
-    """The fastest of `repeats` runs.
+def _typical_s(fn: Callable[[], None], repeats: int) -> float:
+    """The mean of the fastest nine tenths of `repeats` runs.
 
-    The fastest, not the median: on a shared machine the slow runs measure the
-    other jobs (one median-of-7 launch latency came out 13x the usual here).
+    A step pays its collectives' mean, not their best: on a 2-core VM a 512 KiB gloo
+    all_reduce took 0.45 ms at best, 2.5 ms in the median and the mean (40 runs), so
+    the fastest run promised a fifth of what a step paid. The slowest tenth is dropped:
+    on a shared machine a burst of other jobs can make one run 13x the usual.
     """
-    return min(_times(fn, repeats))
+    times = sorted(_times(fn, repeats))
+    return statistics.fmean(times[:max(1, math.ceil(0.9 * len(times)))])
 
 
 def _median_s(fn: Callable[[], None], repeats: int) -> float:
@@ -215,11 +224,12 @@ def _measure(repeats: int) -> dict[str, float]:
             op()
             sync()
         dist.barrier()
-        return _best_s(run, repeats)
+        return _typical_s(run, repeats)
 
     gather_s = timed(lambda: dist.all_gather_single(out, tiny))
     reduce_s = timed(lambda: dist.all_reduce(tiny))
-    big_s = timed(lambda: dist.all_reduce(big))
+    sizes = (2 ** 14, 2 ** 17, big.numel())  # fp32 elements: 64 KiB, 512 KiB, 4 MiB
+    reduce_times = [timed(lambda t=torch.ones(k, device=device): dist.all_reduce(t)) for k in sizes]
     piece = torch.empty(big.numel() // n, device=device)
     big_gather_s = timed(lambda: dist.all_gather_into_tensor(big, piece))
     bucket = torch.zeros_like(big)  # the scatter sums it in place, again and again: zeros stay zeros
@@ -233,18 +243,22 @@ def _measure(repeats: int) -> dict[str, float]:
     copy_s = timed(lambda: dst.copy_(src))
 
     alpha = max(reduce_s - gather_s, 0.0) / max(n - 1, 1)
-    launch = max(gather_s - alpha * (n - 1), 0.0)
+    wires = [RULES[Kind.ALL_REDUCE].wire_bytes(4 * k, n) for k in sizes]
+    seconds_per_byte, latency = _line(wires, reduce_times)
+    if seconds_per_byte <= 0:  # noise hid the slope: the largest all_reduce, less the 4-byte one
+        seconds_per_byte, latency = max(reduce_times[-1] - reduce_s, 1e-9) / wires[-1], reduce_s
+    launch = max(latency - alpha * 2 * (n - 1), 0.0)
     # What the same collective costs right after compute, beyond its transfer: the ranks reach
     # it at different times, and the first waits for the last.
     sync = max(synced_s - gather_s, 0.0)
 
     def rate(kind: Kind, seconds: float) -> float:
-        """Wire bytes per second of `kind` on 4 MiB, less the latency an all_reduce of 4 bytes pays."""
-        return RULES[kind].wire_bytes(big.numel() * 4, n) / max(seconds - reduce_s, 1e-9)
+        """Wire bytes per second of `kind` on 4 MiB, less the latency its ring rounds pay."""
+        return RULES[kind].wire_bytes(big.numel() * 4, n) / max(seconds - launch - alpha * (n - 1), 1e-9)
 
     measured = {
         "launch_s": launch, "alpha_s": alpha,
-        "bytes_per_s": rate(Kind.ALL_REDUCE, big_s),
+        "bytes_per_s": 1.0 / seconds_per_byte,
         "flops_per_s": step_flops / step_s,
         "memory_bytes_per_s": 2 * src.numel() * 4 / copy_s,  # read and write
         "op_s": op_s, "sync_s": sync, "call_s": 0.0,
@@ -255,6 +269,14 @@ def _measure(repeats: int) -> dict[str, float]:
     figures = torch.tensor([measured[k] for k in FIELDS], dtype=torch.float64, device=device)
     dist.broadcast(figures, src=0)
     return dict(zip(FIELDS, (float(x) for x in figures.tolist())))
+
+
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through the points (xs[i], ys[i])."""
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0
+    return slope, mean_y - slope * mean_x
 
 
 def _reduce_scatter_as_emitted(x: torch.Tensor, out: torch.Tensor) -> None:

@@ -10,9 +10,14 @@ step), on local gloo ranks, one contestant after another in one run:
 - the layouts hca could have chosen instead, each compiled by hca (`ALTERNATIVES`;
   ``regret`` is hca's step time over the fastest of them):
   ``hca_dtensor_layout`` (``options={"layout": "dtensor"}``: DTensor's per-op
-  choices on the same storage) and ``hca_dp`` (the model replicated and the batch
-  split, ``hca.sharded({}, inputs=Shard(0), outputs=Shard(0))``; not on the
-  data-parallel model, whose hca contestant is exactly that);
+  choices on the same storage) and ``hca_dp`` (the plan's storage with the batch
+  split, ``inputs=Shard(0), outputs=Shard(0)``: weights gathered where hca's solver
+  finds it cheaper; on the tensor-parallel models, the other models split the batch
+  already). An alternative that emits hca's own program counts at hca's time;
+- ``hca_dp_replicated``: plain data parallel, the model replicated and the batch
+  split (``hca.sharded({}, inputs=Shard(0), outputs=Shard(0))``), on every model but
+  the data-parallel one (whose hca contestant is exactly this): a different storage,
+  shown for reference and not counted in the regret;
 - ``dtensor_eager``: the same ``hca.sharded`` DTensor model, not compiled;
 - ``dtensor_inductor``: the same DTensor model under plain ``torch.compile`` (Inductor);
 - ``expert`` (tensor-parallel models): ``parallelize_module`` with
@@ -48,7 +53,7 @@ from .progress import Progress
 
 def main(world_size: int = 2, steps: int = 5, models=MODELS, contestants=CONTESTANTS, json_path=None,
          tiny: bool = False, default_costs: bool = False, *, recalibrate: bool = False, rounds: int = 1,
-         profile_dir: str | None = None) -> int:
+         profile_dir: str | None = None, round_ms: float = 250.0) -> int:
     models, contestants = list(models), list(contestants)
     for m in models:
         if m not in MODELS:
@@ -60,13 +65,16 @@ def main(world_size: int = 2, steps: int = 5, models=MODELS, contestants=CONTEST
         raise SystemExit("--steps must be >= 1")
     if rounds < 1:
         raise SystemExit("--rounds must be >= 1")
+    if not round_ms >= 0:
+        raise SystemExit("--round-ms must be >= 0")
     if profile_dir:
         os.makedirs(profile_dir, exist_ok=True)
-    timed = f"{steps} timed" + (f" x {rounds} rounds" if rounds > 1 else "")
+    timed = f"{steps}+ timed" + (f" x {rounds} rounds" if rounds > 1 else "")
     print(f"torch_hca bench: {', '.join(models)} x {', '.join(contestants)} on {world_size} local gloo ranks, "
           f"{'tiny models, ' if tiny else ''}1 warm-up + {timed} + {2 if profile_dir else 1} profiled step(s)\n",
           flush=True)
-    cfg = RunConfig(steps, tiny, default_costs, recalibrate, rounds, os.path.abspath(profile_dir) if profile_dir else None)
+    cfg = RunConfig(steps, tiny, default_costs, recalibrate, rounds, os.path.abspath(profile_dir) if profile_dir else None,
+                    round_ms / 1e3)
     progress = Progress("bench")  # one line per model and contestant, on stderr
     progress(f"starting {world_size} local gloo ranks")
     records = merge(launch(run_rank, world_size, models, contestants, cfg, progress.since, timeout_s=1800.0))

@@ -21,13 +21,15 @@ from ..plan import sharded, trace_over_dtensor
 from ..spmd.collective_kinds import Kind, bytes_per_rank
 from . import zoo
 
-CONTESTANTS = ("hca", "hca_inductor", "hca_noschedule", "hca_dtensor_layout", "hca_dp", "dtensor_eager",
-               "dtensor_inductor", "expert", "expert_inductor", "ddp", "fsdp2", "single_inductor")
+CONTESTANTS = ("hca", "hca_inductor", "hca_noschedule", "hca_dtensor_layout", "hca_dp", "hca_dp_replicated",
+               "dtensor_eager", "dtensor_inductor", "expert", "expert_inductor", "ddp", "fsdp2", "single_inductor")
 MODELS = ("mlp", "block", "lm", "tt", "dp", "dp512", "fsdp")
 LR = 1e-3
-# The other layouts hca could have chosen, each compiled by hca: `regret` is hca's step over the
-# fastest. The expert plans' storage is hca's plan on every tensor-parallel model (a test checks),
-# so "the expert storage under layout='dtensor'" is hca_dtensor_layout, not another contestant.
+# The other layouts hca could have chosen on the plan's storage, each compiled by hca: `regret` is
+# hca's step over the fastest. The expert plans' storage is hca's plan on every tensor-parallel model
+# (a test checks), so "the expert storage under layout='dtensor'" is hca_dtensor_layout, not another
+# contestant. hca_dp_replicated changes the storage (every parameter whole on every rank), which the
+# plan does not give: it is shown for reference, not counted in the regret.
 ALTERNATIVES = ("hca_dtensor_layout", "hca_dp")
 # hca's contestants: (storage plan or None for the spec's, batch split, backend options).
 _HCA = {
@@ -35,7 +37,8 @@ _HCA = {
     "hca_inductor": (None, None, {"inner": "inductor"}),
     "hca_noschedule": (None, None, {"schedule": False}),
     "hca_dtensor_layout": (None, None, {"layout": "dtensor"}),
-    "hca_dp": ({}, True, {}),
+    "hca_dp": (None, True, {}),  # data parallel on the plan's storage: weights gathered as needed
+    "hca_dp_replicated": ({}, True, {}),  # plain data parallel: the model replicated
 }
 # The contestant each kind of model is measured against by hand (besides DTensor).
 _EXPERT = {"tp": "expert", "dp": "ddp", "fsdp": "fsdp2"}
@@ -113,8 +116,11 @@ def applies(spec: Spec, contestant: str, world_size: int = 2) -> bool:
         return spec.dtensor_runs
     if contestant in _EXPERT.values():
         return _EXPERT[spec.kind] == contestant
-    if contestant == "hca_dp":  # on the data-parallel model it is the hca contestant itself
-        return spec.kind != "dp" and spec.split_loss is not None and spec.rows() % world_size == 0
+    splits = spec.split_loss is not None and spec.rows() % world_size == 0
+    if contestant == "hca_dp":  # on the dp and fsdp models (batch split already) it is hca itself
+        return spec.kind == "tp" and splits
+    if contestant == "hca_dp_replicated":  # on the data-parallel model it is hca itself
+        return spec.kind != "dp" and splits
     return contestant != "hca_noschedule" or spec.kind in _SCHEDULE_KINDS
 
 

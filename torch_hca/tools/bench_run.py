@@ -5,6 +5,8 @@ records merged, with hca's step-time ratios and its regret over the other layout
 from __future__ import annotations
 
 import copy
+import hashlib
+import math
 import os
 import statistics
 import time
@@ -84,6 +86,15 @@ class Contestant:
         self.step(x, ref_grads)
         self.rec["first_step_s"] = time.perf_counter() - t0
 
+    def warm(self, x: torch.Tensor) -> float:
+        """One untimed step after the first (compile); returns its seconds, the slowest rank's."""
+        dist.barrier()
+        t0 = time.perf_counter()
+        self.step(x)
+        took = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        return took.item()
+
     def timed(self, batches: list) -> None:
         """One round: each step starts after a barrier."""
         times = []
@@ -123,6 +134,7 @@ def _hca_extras(compiled) -> dict:
     report has a timeline, the estimated exposed communication before and after scheduling."""
     rep = report(compiled)
     out = {"report_bytes_per_step": sum(_wire_bytes_as_run(c) for c in rep.collectives),
+           "program_sha1": program_fingerprint(rep),
            "exposed_comm_est_s": None, "exposed_comm_est_unscheduled_s": None, "est_step_s": None,
            "est_compute_s": None, "est_comm_s": None}
     if hasattr(rep, "timeline"):
@@ -130,6 +142,13 @@ def _hca_extras(compiled) -> dict:
         out.update(exposed_comm_est_s=tl.after.exposed_comm_s, exposed_comm_est_unscheduled_s=tl.before.exposed_comm_s,
                    est_step_s=tl.after.total_s, est_compute_s=tl.after.compute_s, est_comm_s=tl.after.comm_s)
     return out
+
+
+def program_fingerprint(rep) -> str:
+    """A digest of the forward and backward graphs hca emitted (every graph of the module):
+    two contestants with one digest ran the same program, whatever options chose it."""
+    code = [gm.code for g in rep.graphs for gm in (g.forward, g.backward) if gm is not None]
+    return hashlib.sha1("\n".join(code).encode()).hexdigest()
 
 
 def _wire_bytes_as_run(c) -> float:
@@ -161,6 +180,9 @@ class RunConfig:
     recalibrate: bool = False  # measure the calibration even when cached
     rounds: int = 1  # round-robin rounds of `steps` timed steps per contestant
     profile_dir: str | None = None  # write a Chrome trace of one more step per contestant and rank
+    # A model whose steps are short takes more timed steps per round: enough that the median
+    # contestant's fill about this many seconds (its steps are a few ms, and this VM's noise is not).
+    round_s: float = 0.25
 
 
 _FAILED_KEYS = ("bytes_per_step", "collectives", "step_time_s", "compile_time_s", "peak_mem_bytes", "max_grad_rel_err")
@@ -205,12 +227,24 @@ def _run_model(spec: Spec, contestants: list, cfg: RunConfig, mesh, costs: dict,
             _fail(rec, e, progress)
         rec["analytic_min_bytes"], rec["analytic_min_why"] = amin, why
         records.append(rec)
-    for r in range(cfg.rounds):
-        if cfg.rounds > 1:
-            progress(f"{spec.name}: timed round {r + 1}/{cfg.rounds}")
+    timed_batches = batches[1:-1]
+    if cfg.round_s > 0 and live:
+        warm = []
         for entry in list(live):
             try:
-                entry.timed(batches[1:-1])
+                warm.append(entry.warm(batches[1]))
+            except Exception as e:  # noqa: BLE001
+                live.remove(entry)
+                _fail(entry.rec, e, progress)
+        if warm:  # every rank computes the same count from the same (all-reduced) times
+            steps = max(cfg.steps, math.ceil(cfg.round_s / max(statistics.median(warm), 1e-6)))
+            timed_batches = [timed_batches[i % len(timed_batches)] for i in range(steps)]
+    for r in range(cfg.rounds):
+        if cfg.rounds > 1:
+            progress(f"{spec.name}: timed round {r + 1}/{cfg.rounds}" + f" ({len(timed_batches)} steps each)")
+        for entry in list(live):
+            try:
+                entry.timed(timed_batches)
             except Exception as e:  # noqa: BLE001
                 live.remove(entry)
                 _fail(entry.rec, e, progress)
@@ -275,9 +309,17 @@ def merge(per_rank: list) -> list:
 
 
 def _regret(hca: dict, rows: list) -> dict:
-    """hca's step time over the fastest of the other layouts it could have chosen (> 1: one was faster)."""
+    """hca's step time over the fastest of the other layouts it could have chosen (> 1: one was faster).
+
+    An alternative whose layouts came out the same as hca's (the same emitted program) is not
+    another choice: its time is hca's program timed again, so the two differ by the machine's
+    noise alone, and it counts at hca's own time."""
     alts = {r["contestant"]: r["step_time_s"] for r in rows if r["contestant"] in ALTERNATIVES and r["step_time_s"]}
+    same = [r["contestant"] for r in rows if r["contestant"] in alts
+            and r.get("program_sha1") and r.get("program_sha1") == hca.get("program_sha1")]
+    out = {"regret": None, "regret_vs": None, "regret_alternatives_s": alts, "regret_same_program": same}
     if not hca["step_time_s"] or not alts:
-        return {"regret": None, "regret_vs": None, "regret_alternatives_s": alts}
-    best = min(alts, key=alts.get)
-    return {"regret": hca["step_time_s"] / alts[best], "regret_vs": best, "regret_alternatives_s": alts}
+        return out
+    counted = {c: hca["step_time_s"] if c in same else t for c, t in alts.items()}
+    best = min(counted, key=counted.get)
+    return {**out, "regret": hca["step_time_s"] / counted[best], "regret_vs": best}

@@ -41,9 +41,10 @@ def _aligned(table: list) -> list[str]:
     return ["  ".join(v.rjust(w) if j else v.ljust(w) for j, (v, w) in enumerate(zip(row, widths))) for row in table]
 
 
-# hca's own program run another way (same layout, same bytes), and one device (no communication):
-# not alternatives to compare hca's bytes against.
-_SAME_PROGRAM = ("hca", "hca_inductor", "hca_noschedule", "single_inductor")
+# hca's own program run another way (same layout, same bytes), one device (no communication), and
+# another storage than the plan's (replicated: the user's memory, not a layout to choose): not
+# alternatives to compare hca's bytes against.
+_SAME_PROGRAM = ("hca", "hca_inductor", "hca_noschedule", "single_inductor", "hca_dp_replicated")
 
 
 def _fewest_bytes(rows: list) -> list[str]:
@@ -69,7 +70,12 @@ def _regret_line(rows: list) -> list[str]:
     hca = next((r for r in rows if r["contestant"] == "hca"), None)
     if hca is None or hca.get("regret") is None:
         return []
-    alts = ", ".join(f"{c} {1e3 * t:.2f}" for c, t in hca["regret_alternatives_s"].items())
+    same = hca.get("regret_same_program") or []
+    alts = ", ".join(f"{c} {1e3 * t:.2f}" + (" (hca's program)" if c in same else "")
+                     for c, t in hca["regret_alternatives_s"].items())
+    if hca["regret_vs"] in same:
+        return [f"regret 1.00: no other layout hca could have chosen was faster; {', '.join(same)} came out "
+                f"as hca's own program (ms: {alts}: the same program timed twice, apart by noise alone)"]
     return [f"regret {hca['regret']:.2f}: hca {1e3 * hca['step_time_s']:.2f} ms / {hca['regret_vs']} "
             f"{1e3 * hca['regret_alternatives_s'][hca['regret_vs']]:.2f} ms, the fastest other layout "
             f"(ms: {alts}); above 1, a layout hca could have chosen was faster"]
@@ -171,9 +177,11 @@ FOOTNOTES = [
     "torch.cuda.max_memory_allocated instead (not exercised: the bench runs on CPU gloo ranks).",
     "grad rel err: max over parameters of |g - g_ref| / |g_ref| after the first step vs a single-device run "
     "on the full batch.",
-    "regret: hca's step ms over the fastest of the other layouts hca could have chosen, each compiled by hca "
-    "(hca_dtensor_layout: DTensor's per-op choices on the same storage; hca_dp: replicated, batch split); "
-    "the expert plans' storage is hca's plan here, so it adds no contestant.",
+    "regret: hca's step ms over the fastest of the other layouts hca could have chosen on the plan's storage, "
+    "each compiled by hca (hca_dtensor_layout: DTensor's per-op choices; hca_dp: the batch split, the plan's "
+    "storage); an alternative that emits hca's own program (same forward and backward graphs) counts at hca's "
+    "time. hca_dp_replicated (every parameter replicated, the batch split) changes the storage: shown, not "
+    "counted. The expert plans' storage is hca's plan here, so it adds no contestant.",
 ]
 
 
