@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import time
+
 from typing import Any, Callable
 
 import torch
@@ -69,12 +71,14 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
         report.forward = run_pass(SchedulePass("forward"), fw, ctx)
         _record_collectives(report, fw, "forward")
         compiled = emit(report.forward, inputs, options.inner)
+        compiled = _timed(compiled, report, "forward")
         return _checked_first_run(compiled, report.schedules["forward"]["per_group"], f"graph {report.index} forward")
 
     def backward_compiler(bw: fx.GraphModule, inputs):
         report.backward = run_pass(SchedulePass("backward"), bw, ctx)
         _record_collectives(report, bw, "backward")
         compiled = emit(report.backward, inputs, options.inner, is_backward=True)
+        compiled = _timed(compiled, report, "backward")
         return _checked_first_run(compiled, report.schedules["backward"]["per_group"], f"graph {report.index} backward")
 
     def inference_compiler(fw: fx.GraphModule, inputs):
@@ -165,6 +169,26 @@ def _checked_first_run(compiled: Callable, per_group: dict[str, list[str]], what
             check_same_collectives(per_group, what)
             pending.clear()
         return compiled(args)
+
+    run._boxed_call = True  # AOTAutograd's calling convention: one list of arguments
+    return run
+
+
+def _timed(compiled: Callable, report, which: str) -> Callable:
+    """`compiled`, keeping the wall time of each call after the first in ``report.call_times``
+    (`CompileReport.measured`). Only on CPU: a CUDA call returns before its kernels finish."""
+    if (report.mesh or {}).get("device_type", "cpu") != "cpu":
+        return compiled
+    times, first = report.call_times[which], [True]
+
+    def run(args):
+        if first:  # compiles (Inductor) and checks: not a step's time
+            first.clear()
+            return compiled(args)
+        t0 = time.perf_counter()
+        out = compiled(args)
+        times.append(time.perf_counter() - t0)
+        return out
 
     run._boxed_call = True  # AOTAutograd's calling convention: one list of arguments
     return run

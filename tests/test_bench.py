@@ -137,6 +137,12 @@ def test_timed_steps_come_in_rounds_and_each_model_has_a_regret(run):
     assert stdout.count("\npredicted ") == len(MODELS) and "the cost model is off by" in stdout
     # ... of the compiled forward and backward: the step less its optimizer step.
     assert stdout.count("for forward + backward (the step's ") == len(MODELS)
+    # ... and inside the compiled graphs alone, from hca.report(c).measured().
+    assert stdout.count("; inside the compiled graphs ") == len(MODELS)
+    for r in records:
+        if r["contestant"] == "hca":
+            m = r["graphs_measured"]
+            assert m["calls"] >= 2 and m["measured_s"] > 0 and m["error"] == pytest.approx(m["predicted_s"] / m["measured_s"] - 1)
 
 
 def test_profile_writes_a_trace_per_contestant_and_rank_and_a_breakdown(run):

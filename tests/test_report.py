@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import weakref
 
+import pytest
 import torch
 
 import torch_hca as hca
@@ -102,3 +103,28 @@ def test_graph_report_checks_identity_not_just_id():
     assert not g.reads_any([new])
     g.add_parameter(new)
     assert g.reads_any([new])
+
+
+def test_measured_sets_the_clock_beside_the_prediction(fake_pg):
+    from torch_hca.timeline import CALL
+
+    compiled = compile_mlp(options={"cost_model": {"call_s": 1e-3}})  # the first call: compiled, checked, not timed
+    rep = hca.report(compiled)
+    with pytest.raises(hca.HCAError, match="has not run after its first call"):
+        rep.measured()
+    for _ in range(3):
+        compiled(torch.randn(8, 64)).sum().backward()
+    got = rep.measured()
+    g = rep.graph
+    assert [len(g.call_times[w]) for w in ("forward", "backward")] == [3, 3] and got.calls == 3
+    medians = {f"graph{g.index}.{w}": sorted(g.call_times[w])[1] for w in ("forward", "backward")}
+    assert got.per_graph_s == medians and got.measured_s == pytest.approx(sum(medians.values()))
+    after = rep.timeline().after
+    calls = [e for e in after.events if e.name == CALL]
+    # The host work around each call (call_s) is outside what the clock here sees.
+    assert [e.duration_s for e in calls] == pytest.approx([1e-3, 1e-3]) and got.predicted_s == pytest.approx(after.total_s - 2e-3)
+    assert got.error == pytest.approx(got.predicted_s / got.measured_s - 1)
+    assert str(got).startswith(f"predicted {got.predicted_s * 1e3:.2f} ms vs measured {got.measured_s * 1e3:.2f} ms")
+    rep.graph.mesh = {**rep.graph.mesh, "device_type": "cuda"}  # a CUDA call returns before its kernels finish
+    with pytest.raises(hca.HCAError, match="torch.profiler"):
+        rep.measured()

@@ -139,6 +139,9 @@ class PassRecord:
     seconds: float = 0.0  # wall time of the pass (compile-time profile)
 
 
+CALLS_KEPT = 256  # the most recent calls of each compiled graph whose wall time is kept
+
+
 @dataclass
 class GraphReport:
     """Everything one graph went through, stage by stage."""
@@ -162,6 +165,10 @@ class GraphReport:
     passes: list[PassRecord] = field(default_factory=list)
     schedules: dict[str, dict[str, Any]] = field(default_factory=dict)
     layout: dict[str, Any] = field(default_factory=dict)  # the layout solver's decision (see explain())
+    # Wall seconds of the compiled forward's and backward's recent calls after the first
+    # (backends/pipeline.py times them; CPU meshes only), for `CompileReport.measured`.
+    call_times: dict[str, collections.deque] = field(
+        default_factory=lambda: {w: collections.deque(maxlen=CALLS_KEPT) for w in ("forward", "backward")})
     # The parameters the graph reads, by id, held weakly: ids of dead parameters
     # are reused by new ones, so a match must also be the same object.
     param_refs: dict[int, weakref.ref] = field(default_factory=dict)
@@ -318,6 +325,33 @@ class CompileReport:
             costs = CostModel(**solved) if solved else self.graphs[0].options.costs(device)
         return StepTimelines(estimate(before, costs), estimate(after, costs))
 
+    def measured(self) -> "StepMeasure":
+        """The compiled graphs' time on the clock against the cost model's prediction of it.
+
+        Measured: the median wall time of each compiled forward and backward over its calls
+        after the first (the last `CALLS_KEPT`), summed over the graphs. Predicted: the
+        scheduled timeline (`timeline().after`) less each graph's ``call_s``, the host work
+        around a call that the measure does not see. CPU meshes only: a CUDA call returns
+        before its kernels finish (use torch.profiler there).
+        """
+        timed = {(g.index, w): sorted(t) for g in self.graphs for w, t in g.call_times.items()
+                 if getattr(g, w) is not None}
+        device = (self.graphs[0].mesh or {}).get("device_type", "cpu")
+        if device != "cpu":
+            raise HCAError(f"hca.report(...).measured(): the mesh is on {device!r}, whose calls return before their "
+                           "kernels finish; profile a step with torch.profiler instead")
+        untimed = [f"graph {i} {w}" for (i, w), t in timed.items() if not t]
+        if not timed or untimed:
+            raise HCAError(f"hca.report(...).measured(): {', '.join(untimed) or 'no graph'} has not run after its first "
+                           "call (the first compiles and checks); run a few training steps first")
+        measured = {key: t[len(t) // 2] for key, t in timed.items()}
+        from .timeline import CALL
+
+        timeline = self.timeline().after
+        predicted = timeline.total_s - sum(e.duration_s for e in timeline.events if e.name == CALL)
+        return StepMeasure(predicted, sum(measured.values()), min(len(t) for t in timed.values()),
+                           {f"graph{i}.{w}": s for (i, w), s in measured.items()})
+
     def explain(self) -> str:
         """Why each value has its placement: shape, layout chosen, cost terms, and what it beat."""
         parts = []
@@ -360,6 +394,26 @@ class CompileReport:
             lines = [f"{p['parameter']} {p['placements']} {p['bytes']} bytes" for p in pending]
             parts.append("== gradients left Partial, reduced outside the graphs on first use ==\n" + "\n".join(lines))
         return "\n\n".join(parts)
+
+
+@dataclass(frozen=True)
+class StepMeasure:
+    """`CompileReport.measured()`: a step's compiled graphs, predicted and on the clock."""
+
+    predicted_s: float  # the scheduled timeline's forward + backward, less the host work around calls
+    measured_s: float   # the sum over the compiled graphs of each one's median call
+    calls: int          # calls timed per graph (the fewest of any graph)
+    per_graph_s: dict[str, float]  # "graph0.forward" -> its median call
+
+    @property
+    def error(self) -> float:
+        """How far the prediction is off: predicted / measured - 1 (-0.2: 20% too fast)."""
+        return self.predicted_s / self.measured_s - 1
+
+    def __str__(self) -> str:
+        return (f"predicted {self.predicted_s * 1e3:.2f} ms vs measured {self.measured_s * 1e3:.2f} ms "
+                f"(median of {self.calls}+ calls per graph) for the compiled forward + backward: "
+                f"the cost model is off by {self.error:+.0%}")
 
 
 def _aligned(rows: list[tuple[str, ...]], width: int | None) -> str:

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from .._torch_private import clear_dtensor_sharding_cache, ddp_bucket_bytes, group_backend
 from ..calibrate import cached_calibrate
+from ..errors import HCAError
 from ..spmd.collective_kinds import Kind, bytes_per_rank
 from ..spmd.cost_model import DEFAULTS, backend_for, scatter_runs_as_all_reduce
 from ..mesh import init_mesh
@@ -137,6 +138,12 @@ def _hca_extras(compiled) -> dict:
            "program_sha1": program_fingerprint(rep),
            "exposed_comm_est_s": None, "exposed_comm_est_unscheduled_s": None, "est_step_s": None,
            "est_compute_s": None, "est_comm_s": None}
+    try:
+        m = rep.measured()
+        out["graphs_measured"] = {"predicted_s": m.predicted_s, "measured_s": m.measured_s, "error": m.error,
+                                  "calls": m.calls}
+    except HCAError:  # no timed call (inner="dtensor"), or a CUDA mesh
+        out["graphs_measured"] = None
     if hasattr(rep, "timeline"):
         tl = rep.timeline()
         out.update(exposed_comm_est_s=tl.after.exposed_comm_s, exposed_comm_est_unscheduled_s=tl.before.exposed_comm_s,
