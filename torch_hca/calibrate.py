@@ -10,7 +10,8 @@ defaults are rough. This measures, on the current process group and device:
     2-core VM, would promise a latency that a step's collectives, 1.7-2.5 ms on average
     from 64 KiB to 512 KiB there, never see.) An all_gather and an all_reduce of 4 bytes, whose difference
     separates the per-round ``alpha_s`` from the per-call ``launch_s`` (ring rounds:
-    n-1 against 2(n-1));
+    n-1 against 2(n-1)). Every collective here is timed in turn with the others,
+    2 x `repeats` rounds, each the mean of its fastest nine tenths;
   * ``sync_s``: the 4-byte all_gather issued right after a compute burst on
     every rank (median), less the same all_gather alone: inside a step the ranks
     arrive apart, and the first waits for the last;
@@ -83,6 +84,23 @@ def _typical_s(fn: Callable[[], None], repeats: int) -> float:
     """
     times = sorted(_times(fn, repeats))
     return statistics.fmean(times[:max(1, math.ceil(0.9 * len(times)))])
+
+
+def _typical_in_turn_s(fns: list[Callable[[], None]], repeats: int) -> list[float]:
+    """`_typical_s` of each of `fns`, run in turn `repeats` times (after three warm-ups each):
+    a slow or quiet spell of the machine falls on all of them alike, so the line through
+    the all_reduces' sizes reads their difference, not the spell (run one after another,
+    the intercept moved from 0.13 to 1.9 ms between calibrations here)."""
+    for fn in fns:
+        for _ in range(3):
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, kept in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            kept.append(time.perf_counter() - start)
+    return [statistics.fmean(sorted(t)[:max(1, math.ceil(0.9 * len(t)))]) for t in times]
 
 
 def _median_s(fn: Callable[[], None], repeats: int) -> float:
@@ -226,14 +244,19 @@ def _measure(repeats: int) -> dict[str, float]:
         dist.barrier()
         return _typical_s(run, repeats)
 
-    gather_s = timed(lambda: dist.all_gather_single(out, tiny))
-    reduce_s = timed(lambda: dist.all_reduce(tiny))
     sizes = (2 ** 14, 2 ** 17, big.numel())  # fp32 elements: 64 KiB, 512 KiB, 4 MiB
-    reduce_times = [timed(lambda t=torch.ones(k, device=device): dist.all_reduce(t)) for k in sizes]
     piece = torch.empty(big.numel() // n, device=device)
-    big_gather_s = timed(lambda: dist.all_gather_into_tensor(big, piece))
     bucket = torch.zeros_like(big)  # the scatter sums it in place, again and again: zeros stay zeros
-    big_scatter_s = timed(lambda: _reduce_scatter_as_emitted(bucket, piece))
+    collectives = [
+        lambda: dist.all_gather_single(out, tiny),
+        lambda: dist.all_reduce(tiny),
+        *(lambda t=torch.ones(k, device=device): dist.all_reduce(t) for k in sizes),
+        lambda: dist.all_gather_into_tensor(big, piece),
+        lambda: _reduce_scatter_as_emitted(bucket, piece),
+    ]
+    dist.barrier()  # every rank runs them in the same turn: each call is matched on every rank
+    gather_s, reduce_s, *reduce_times, big_gather_s, big_scatter_s = _typical_in_turn_s(
+        [lambda op=op: (op(), sync()) for op in collectives], 2 * repeats)
     step, step_flops = _mlp_step(device)
     dist.barrier()
     step_s = _median_s(lambda: (step(), sync()), max(repeats // 2, 3))
