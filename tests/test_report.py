@@ -125,6 +125,8 @@ def test_measured_sets_the_clock_beside_the_prediction(fake_pg):
     assert [e.duration_s for e in calls] == pytest.approx([1e-3, 1e-3]) and got.predicted_s == pytest.approx(after.total_s - 2e-3)
     assert got.error == pytest.approx(got.predicted_s / got.measured_s - 1)
     assert str(got).startswith(f"predicted {got.predicted_s * 1e3:.2f} ms vs measured {got.measured_s * 1e3:.2f} ms")
+    with pytest.raises(hca.HCAError, match="inner='dtensor' runs the DTensor program eagerly"):
+        hca.report(compile_mlp(options={"inner": "dtensor"})).measured()
     rep.graph.mesh = {**rep.graph.mesh, "device_type": "cuda"}  # a CUDA call returns before its kernels finish
     with pytest.raises(hca.HCAError, match="torch.profiler"):
         rep.measured()

@@ -340,10 +340,13 @@ class CompileReport:
         if device != "cpu":
             raise HCAError(f"hca.report(...).measured(): the mesh is on {device!r}, whose calls return before their "
                            "kernels finish; profile a step with torch.profiler instead")
+        if not timed:
+            raise HCAError("hca.report(...).measured(): no forward or backward graph was compiled (options "
+                           "inner='dtensor' runs the DTensor program eagerly); compile with inner='eager' or 'inductor'")
         untimed = [f"graph {i} {w}" for (i, w), t in timed.items() if not t]
-        if not timed or untimed:
-            raise HCAError(f"hca.report(...).measured(): {', '.join(untimed) or 'no graph'} has not run after its first "
-                           "call (the first compiles and checks); run a few training steps first")
+        if untimed:
+            raise HCAError(f"hca.report(...).measured(): {', '.join(untimed)} has not run after its first call "
+                           "(the first compiles and checks); run a few training steps first")
         measured = {key: t[len(t) // 2] for key, t in timed.items()}
         from .timeline import CALL
 
