@@ -277,9 +277,10 @@ def on_mesh_dims() -> dict[str, float]:
 
 # ------------------------------------------------------------- the eager emitter on gloo
 
-def reduce_scatter_as_emitted(seed: int) -> dict[str, Any]:
+def reduce_scatter_as_emitted(seed: int, flat: bool = False) -> dict[str, Any]:
     """A bucket's reduce_scatter as `backends.emit` runs it on gloo: the ops it runs, and its
-    result against the sum's rows this rank owns."""
+    result against the sum's rows this rank owns. ``flat``: the bucket is viewed flat first,
+    as the schedule pass's buckets are (`passes/buckets.py`)."""
     import torch.fx as fx
 
     from torch_hca.backends.emit import eager_graph, emit
@@ -289,10 +290,13 @@ def reduce_scatter_as_emitted(seed: int) -> dict[str, Any]:
     g = fx.Graph()
     a, b = g.placeholder("a"), g.placeholder("b")
     bucket = g.call_function(aten.cat.default, ([a, b],))
+    bucket.meta["val"] = torch.empty(3 * n, 3)
+    if flat:
+        bucket = g.call_function(aten.view.default, (bucket, [-1]))
+        bucket.meta["val"] = torch.empty(9 * n)
     scattered = g.call_function(c10d.reduce_scatter_tensor.default, (bucket, "sum", n, name))
     g.output((g.call_function(c10d.wait_tensor.default, (scattered,)),))
     a.meta["val"], b.meta["val"] = torch.empty(n, 3), torch.empty(2 * n, 3)
-    bucket.meta["val"] = torch.empty(3 * n, 3)
     gm = fx.GraphModule({}, g)
     firsts = [torch.randn(n, 3, generator=torch.Generator().manual_seed(seed + r)) for r in range(n)]
     inputs = [[x, torch.cat([x, x])] for x in firsts]
@@ -300,4 +304,5 @@ def reduce_scatter_as_emitted(seed: int) -> dict[str, Any]:
     (out,) = emit(gm, inputs[rank], "eager")(list(inputs[rank]))
     return {"ops": [str(node.target) for node in eager_graph(gm).graph.nodes if node.op == "call_function"],
             "report_ops": [str(node.target) for node in gm.graph.nodes if node.op == "call_function"],
-            "err": rel(out, total[3 * rank:3 * rank + 3]), "shape": list(out.shape), "own_storage": out._base is None}
+            "err": rel(out, (total.view(-1)[9 * rank:9 * rank + 9] if flat else total[3 * rank:3 * rank + 3])),
+            "shape": list(out.shape), "own_storage": out._base is None}

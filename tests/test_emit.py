@@ -91,6 +91,11 @@ def test_gloo_runs_a_reduce_scatter_as_an_all_reduce_keeping_its_own_rows(worlds
                             "_c10d_functional.wait_tensor.default", "aten.clone.default"]
         assert "_c10d_functional.reduce_scatter_tensor.default" in r["report_ops"]
         assert r["err"] <= 1e-6 and r["shape"] == [3, 3] and r["own_storage"]
+    # A bucket as the schedule pass makes it, viewed flat: still summed in place, no copy of the bucket.
+    for r in worlds(world_size).run(reduce_scatter_as_emitted, 7, True):
+        assert r["ops"] == ["aten.cat.default", "aten.view.default", "_c10d_functional.all_reduce_.default",
+                            "aten.slice.Tensor", "_c10d_functional.wait_tensor.default", "aten.clone.default"]
+        assert r["err"] <= 1e-6 and r["shape"] == [9] and r["own_storage"]
 
 
 @pytest.mark.parametrize("inner", ["eager", "inductor"])
