@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import collections
 import time
 
 from typing import Any, Callable
@@ -71,15 +72,15 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
         report.forward = run_pass(SchedulePass("forward"), fw, ctx)
         _record_collectives(report, fw, "forward")
         compiled = emit(report.forward, inputs, options.inner)
-        compiled = _timed(compiled, report, "forward")
-        return _checked_first_run(compiled, report.schedules["forward"]["per_group"], f"graph {report.index} forward")
+        return _checked_first_run(compiled, report.schedules["forward"]["per_group"], f"graph {report.index} forward",
+                                  _call_times(report, "forward"))
 
     def backward_compiler(bw: fx.GraphModule, inputs):
         report.backward = run_pass(SchedulePass("backward"), bw, ctx)
         _record_collectives(report, bw, "backward")
         compiled = emit(report.backward, inputs, options.inner, is_backward=True)
-        compiled = _timed(compiled, report, "backward")
-        return _checked_first_run(compiled, report.schedules["backward"]["per_group"], f"graph {report.index} backward")
+        return _checked_first_run(compiled, report.schedules["backward"]["per_group"], f"graph {report.index} backward",
+                                  _call_times(report, "backward"))
 
     def inference_compiler(fw: fx.GraphModule, inputs):
         report.inference = True
@@ -156,11 +157,14 @@ def _refinement_checked(compiled: Callable, logical: fx.GraphModule, report: Gra
     return run
 
 
-def _checked_first_run(compiled: Callable, per_group: dict[str, list[str]], what: str) -> Callable:
-    """`compiled`, checking on its first call that every rank issues the same collectives.
+def _checked_first_run(compiled: Callable, per_group: dict[str, list[str]], what: str,
+                       times: collections.deque | None) -> Callable:
+    """`compiled`, checking on its first call that every rank issues the same collectives,
+    and keeping the wall time of each later call in `times` (`CompileReport.measured`; None:
+    not timed, as on CUDA, whose calls return before their kernels finish).
 
     ``per_group`` is the schedule checker's summary of the graph: each group's
-    collectives in issue order.
+    collectives in issue order. The first call is not timed: it compiles (Inductor) and checks.
     """
     pending = [True]
 
@@ -168,22 +172,8 @@ def _checked_first_run(compiled: Callable, per_group: dict[str, list[str]], what
         if pending:
             check_same_collectives(per_group, what)
             pending.clear()
-        return compiled(args)
-
-    run._boxed_call = True  # AOTAutograd's calling convention: one list of arguments
-    return run
-
-
-def _timed(compiled: Callable, report, which: str) -> Callable:
-    """`compiled`, keeping the wall time of each call after the first in ``report.call_times``
-    (`CompileReport.measured`). Only on CPU: a CUDA call returns before its kernels finish."""
-    if (report.mesh or {}).get("device_type", "cpu") != "cpu":
-        return compiled
-    times, first = report.call_times[which], [True]
-
-    def run(args):
-        if first:  # compiles (Inductor) and checks: not a step's time
-            first.clear()
+            return compiled(args)
+        if times is None:
             return compiled(args)
         t0 = time.perf_counter()
         out = compiled(args)
@@ -192,6 +182,11 @@ def _timed(compiled: Callable, report, which: str) -> Callable:
 
     run._boxed_call = True  # AOTAutograd's calling convention: one list of arguments
     return run
+
+
+def _call_times(report: GraphReport, which: str) -> collections.deque | None:
+    """Where the calls of `report`'s `which` graph are timed: CPU meshes only."""
+    return report.call_times[which] if (report.mesh or {}).get("device_type", "cpu") == "cpu" else None
 
 
 def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:

@@ -74,23 +74,18 @@ def _times(fn: Callable[[], None], repeats: int) -> list[float]:
     return times
 
 
-def _typical_s(fn: Callable[[], None], repeats: int) -> float:
-    """The mean of the fastest nine tenths of `repeats` runs.
+def _typical_in_turn_s(fns: list[Callable[[], None]], repeats: int) -> list[float]:
+    """The mean of the fastest nine tenths of `repeats` runs of each of `fns`, run in turn
+    (after three warm-ups each).
 
     A step pays its collectives' mean, not their best: on a 2-core VM a 512 KiB gloo
     all_reduce took 0.45 ms at best, 2.5 ms in the median and the mean (40 runs), so
     the fastest run promised a fifth of what a step paid. The slowest tenth is dropped:
-    on a shared machine a burst of other jobs can make one run 13x the usual.
-    """
-    times = sorted(_times(fn, repeats))
-    return statistics.fmean(times[:max(1, math.ceil(0.9 * len(times)))])
-
-
-def _typical_in_turn_s(fns: list[Callable[[], None]], repeats: int) -> list[float]:
-    """`_typical_s` of each of `fns`, run in turn `repeats` times (after three warm-ups each):
+    on a shared machine a burst of other jobs can make one run 13x the usual. In turn,
     a slow or quiet spell of the machine falls on all of them alike, so the line through
     the all_reduces' sizes reads their difference, not the spell (run one after another,
-    the intercept moved from 0.13 to 1.9 ms between calibrations here)."""
+    the intercept moved from 0.13 to 1.9 ms between calibrations here).
+    """
     for fn in fns:
         for _ in range(3):
             fn()
@@ -237,13 +232,6 @@ def _measure(repeats: int) -> dict[str, float]:
     out = torch.empty(n, device=device)
     sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
 
-    def timed(op) -> float:
-        def run():
-            op()
-            sync()
-        dist.barrier()
-        return _typical_s(run, repeats)
-
     sizes = (2 ** 14, 2 ** 17, big.numel())  # fp32 elements: 64 KiB, 512 KiB, 4 MiB
     piece = torch.empty(big.numel() // n, device=device)
     bucket = torch.zeros_like(big)  # the scatter sums it in place, again and again: zeros stay zeros
@@ -263,7 +251,7 @@ def _measure(repeats: int) -> dict[str, float]:
     synced_s = _after_compute_s(lambda: dist.all_gather_single(out, tiny), step, sync, max(repeats // 2, 3))
     op_s = _op_s(device, repeats)
     src, dst = torch.randn(2 ** 22, device=device), torch.empty(2 ** 22, device=device)
-    copy_s = timed(lambda: dst.copy_(src))
+    (copy_s,) = _typical_in_turn_s([lambda: (dst.copy_(src), sync())], repeats)
 
     alpha = max(reduce_s - gather_s, 0.0) / max(n - 1, 1)
     wires = [RULES[Kind.ALL_REDUCE].wire_bytes(4 * k, n) for k in sizes]

@@ -248,7 +248,7 @@ def _run_model(spec: Spec, contestants: list, cfg: RunConfig, mesh, costs: dict,
             timed_batches = [timed_batches[i % len(timed_batches)] for i in range(steps)]
     for r in range(cfg.rounds):
         if cfg.rounds > 1:
-            progress(f"{spec.name}: timed round {r + 1}/{cfg.rounds}" + f" ({len(timed_batches)} steps each)")
+            progress(f"{spec.name}: timed round {r + 1}/{cfg.rounds} ({len(timed_batches)} steps each)")
         for entry in list(live):
             try:
                 entry.timed(timed_batches)

@@ -44,7 +44,7 @@ def _aligned(table: list) -> list[str]:
 # hca's own program run another way (same layout, same bytes), one device (no communication), and
 # another storage than the plan's (replicated: the user's memory, not a layout to choose): not
 # alternatives to compare hca's bytes against.
-_SAME_PROGRAM = ("hca", "hca_inductor", "hca_noschedule", "single_inductor", "hca_dp_replicated")
+_NOT_COMPARED = ("hca", "hca_inductor", "hca_noschedule", "single_inductor", "hca_dp_replicated")
 
 
 def _fewest_bytes(rows: list) -> list[str]:
@@ -52,7 +52,7 @@ def _fewest_bytes(rows: list) -> list[str]:
     communication- or compute-bound by hca's cost model?"""
     counted = [r for r in rows if r.get("bytes_per_step") is not None]
     hca = next((r for r in counted if r["contestant"] == "hca"), None)
-    others = [r for r in counted if r["contestant"] not in _SAME_PROGRAM]
+    others = [r for r in counted if r["contestant"] not in _NOT_COMPARED]
     if hca is None or not others:
         return []
     best = min(others, key=lambda r: r["bytes_per_step"])
