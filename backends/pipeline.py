@@ -6,6 +6,9 @@
       --AOTAutograd--> joint graph --transpose--> --collective rewrites--> --backward kept--> partition
       --> forward, backward
       --schedule--> checked order --emit--> FX (eager) or Inductor
+
+With option layout="tune", several layouts of the graph go through this and the first
+call keeps the fastest (backends/tune.py).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from torch_hca.errors import HCAError, UnsupportedError
 from torch_hca.lifting import dtensor_failure
 from torch_hca.spmd_check import check_same_collectives
 from torch_hca.refinement import check_refinement
-from torch_hca.report import CollectiveRecord, CompileReport, GraphReport, new_graph_report
+from torch_hca.report import CollectiveRecord, CompileReport, GraphReport, new_graph_report, next_graph_index
 from torch_hca.spmd.placements import layout_str
 from torch_hca.passes.collective_rewrites import REWRITE, CollectiveRewritePass, agree_across_ranks, no_rank_rewrites
 from torch_hca.passes.infra import PassContext, dump, run_pass
@@ -42,23 +45,86 @@ from torch_hca.passes.origins import OriginPass
 from torch_hca.passes.transpose import PARTNER, RULE, BackwardKeptPass, TransposePass
 
 from .emit import decompositions, emit
+from .tune import Candidate, Tuned, candidate_options
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Options) -> Callable:
-    report = new_graph_report(options)
-    ctx = PassContext(options, report, list(example_inputs))
+    agreement = InputAgreement(gm, f"graph {next_graph_index()}", options.input_check)
+    logical = _copy(gm) if options.check else None
+    if options.layout == "tune":
+        tuned = Tuned(_tune_candidates(gm, example_inputs, options), options.tune_rounds, _device_type(gm))
+        compiled, report_of, communicates = tuned, lambda: tuned.report, True
+    else:
+        report = new_graph_report(options)
+        ctx, gm = lay_out(gm, example_inputs, report)
+        if options.inner == "dtensor":
+            return _agreed(gm.forward, agreement)
+        compiled = lower(gm, example_inputs, ctx)
+        forward = report.forward if report.forward is not None else gm
+        report_of, communicates = (lambda: report), any(n.target in OPS for n in forward.graph.nodes)
+    if logical is not None:
+        compiled = _refinement_checked(compiled, logical, report_of)
+    # The refinement check runs the backward (and its collectives) inside the first call: check first.
+    return _agreed(compiled, agreement, logical is not None or communicates)
+
+
+def _tune_candidates(gm: fx.GraphModule, example_inputs: list[Any], options: Options) -> list[Candidate]:
+    """Each distinct program of `tune.candidate_options`, laid out and lowered (option layout="tune")."""
+    by_program: dict[str, Candidate] = {}
+    failed: list[str] = []
+    for label, opts in candidate_options(options, _device_type(gm)):
+        first = not by_program and not failed
+        report = new_graph_report(opts)
+        try:
+            ctx, program = lay_out(_copy(gm), example_inputs, report)
+            same = by_program.get(program.code)
+            if same is None:
+                compiled = lower(program, example_inputs, ctx)
+        except HCAError as e:
+            if first:  # the calibrated solve is what layout="solve" compiles: its error is the user's
+                raise
+            # Another layout this program cannot take (DTensor's choice under strict, say): not a candidate.
+            failed.append(f"{label}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            report.dropped = f"layout='tune': {label} failed to compile"
+            continue
+        if same is not None:
+            same.same_as.append(label)
+            report.dropped = f"layout='tune': the same DTensor program as graph {same.report.index} ({same.label})"
+            continue
+        by_program[program.code] = Candidate(label, report, compiled)
+    candidates = list(by_program.values())
+    candidates[0].failed = failed
+    return candidates
+
+
+def _device_type(gm: fx.GraphModule) -> str:
+    """The device type of the mesh the graph's DTensors live on ("cpu" without one)."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        real = graph_arg_example(node)
+        if isinstance(real, DTensor):
+            return real.device_mesh.device_type
+    return "cpu"
+
+
+def lay_out(gm: fx.GraphModule, example_inputs: list[Any], report: GraphReport) -> tuple[PassContext, fx.GraphModule]:
+    """The Dynamo graph as a DTensor program with every layout chosen (rewritten in place) under
+    `report.options`, recorded in `report`."""
+    ctx = PassContext(report.options, report, list(example_inputs))
     _describe_inputs(gm, report)
     report.dynamo_graph = gm
-    agreement = InputAgreement(gm, f"graph {report.index}", options.input_check)
-    logical = _copy(gm) if options.check else None
     dump(ctx, "dynamo", gm.code)
     gm = run_pass(LiftPass(), gm, ctx)
     gm = run_pass(LayoutPass(), gm, ctx)
     gm = run_pass(CotangentRolePass(), gm, ctx)
     gm = run_pass(OriginPass(), gm, ctx)
     report.dtensor_program = gm
-    if options.inner == "dtensor":
-        return _agreed(gm.forward, agreement)
+    return ctx, gm
+
+
+def lower(gm: fx.GraphModule, example_inputs: list[Any], ctx: PassContext) -> Callable:
+    """The laid-out DTensor program through AOTAutograd: the backward derived and checked,
+    collectives scheduled, forward and backward emitted; the compiled function."""
+    report, options = ctx.report, ctx.options
 
     def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
         # The backward is checked as traced, then every later change must be an identity.
@@ -110,19 +176,18 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
             raise failure from e
         raise
     _dump_tables(ctx)
-    if logical is not None:
-        compiled = _refinement_checked(compiled, logical, report)
-    # The refinement check runs the backward (and its collectives) inside the first call: check first.
-    forward = report.forward if report.forward is not None else gm
-    return _agreed(compiled, agreement, logical is not None or any(n.target in OPS for n in forward.graph.nodes))
+    return compiled
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """The logical program as Dynamo traced it (the passes rewrite `gm` in place)."""
+    """The graph as Dynamo traced it, for the logical program or a candidate of layout="tune"
+    (the passes rewrite theirs in place)."""
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
-    return fx.GraphModule(gm, graph)
+    copied = fx.GraphModule(gm, graph)
+    copied.meta = dict(gm.meta)
+    return copied
 
 
 def _agreed(compiled: Callable, agreement: InputAgreement, forward_communicates: bool = True) -> Callable:
@@ -144,14 +209,16 @@ def _agreed(compiled: Callable, agreement: InputAgreement, forward_communicates:
     return run
 
 
-def _refinement_checked(compiled: Callable, logical: fx.GraphModule, report: GraphReport) -> Callable:
-    """`compiled`, checked against the logical program on its first call (option ``check``)."""
+def _refinement_checked(compiled: Callable, logical: fx.GraphModule, report_of: Callable[[], GraphReport]) -> Callable:
+    """`compiled`, checked against the logical program on its first call (option ``check``);
+    `report_of()` is the report of the program that ran (with layout="tune", the one kept)."""
     pending = [True]
 
     def run(*args):
         if pending:
             pending.clear()
-            report.refinement = check_refinement(logical, compiled, list(args), f"refinement check, graph {report.index}")
+            errors = check_refinement(logical, compiled, list(args), f"refinement check, graph {report_of().index}")
+            report_of().refinement = errors
         return compiled(*args)
 
     return run

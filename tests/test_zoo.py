@@ -214,3 +214,34 @@ def test_fsdp_gradients_reduce_scattered_on_gloo_run_as_all_reduces(worlds):
     ran = first["ran"]["backward"]
     assert "reduce_scatter" not in ran, ran
     assert ran.get("all_reduce", 0) == first["backward"].get("all_reduce", 0) + scattered, (ran, first["backward"])
+
+
+@pytest.mark.parametrize("model_name,plan_name,world_size", [
+    ("gpt2", "megatron", 2), ("gpt2", "megatron", 4),
+    # DTensor's own choice cannot compile here under strict (an implicit redistribution): tune
+    # notes it and times the other three.
+    ("llama", "fsdp", 2)])
+def test_tune_keeps_the_fastest_layout_and_it_trains_as_one_device(worlds, model_name, plan_name, world_size):
+    """Option layout="tune" on zoo models: parity with one device (the first call's timing runs
+    leave no trace on the training), every rank keeps the same program, the report shows that
+    program alone, and the collectives that ran are the kept program's."""
+    options = {**zoo_cases.backend_options(), "layout": "tune", "tune_rounds": 2}
+    results = worlds(world_size).run(zoo_cases.zoo_parity, model_name, plan_name, STEPS, "sgd", options, True,
+                                     timeout_s=RUN_TIMEOUT_S)
+    _assert_parity(model_name, results)
+    first = results[0]
+    (tuning,) = first["tuning"]
+    assert first["graphs"] == 1 and first["refinement"][0]  # the check ran on the kept program
+    medians = {c["layout"]: c["median_s"] for c in tuning["candidates"]}
+    assert len(medians) >= 2 and all(m > 0 for m in medians.values()), tuning
+    kept = next(c for c in tuning["candidates"] if c["graph"] == tuning["kept_graph"])
+    assert kept["median_s"] == min(medians.values())
+    assert bool(tuning["failed"]) == (model_name == "llama"), tuning["failed"]
+    # The ranks exchanged their medians and keep one program.
+    assert all(r["tuning"] == first["tuning"] for r in results)
+    for direction in ("forward", "backward"):
+        expected = dict(first[direction])
+        scattered = expected.pop("reduce_scatter", 0)  # gloo runs each as an all_reduce (backends/emit.py)
+        if scattered:
+            expected["all_reduce"] = expected.get("all_reduce", 0) + scattered
+        assert first["ran"][direction] == expected, (direction, first["ran"], first[direction])

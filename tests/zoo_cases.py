@@ -137,6 +137,7 @@ def zoo_parity(model_name: str, plan_name: str, steps: int = 2, optimizer: str =
     # every parameter enters the first graph, so it cannot see a break.
     result["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
     result["refinement"] = [g.refinement for g in rep.graphs]
+    result["tuning"] = [g.tuning for g in rep.graphs]  # option layout="tune": each candidate's time
     result["implicit"] = [m for g in rep.graphs for m in g.implicit_redistributions]
     result["forward"] = rep.collective_counts("forward")
     result["backward"] = rep.collective_counts("backward")

@@ -14,7 +14,7 @@ from .spmd.cost_model import DEFAULTS, CostModel, backend_for, base_model, with_
 from .errors import OptionsError
 
 INNER = ("eager", "inductor", "dtensor")
-LAYOUT = ("solve", "dtensor")
+LAYOUT = ("solve", "dtensor", "tune")
 INPUT_CHECKS = ("values", "shapes", "first")  # torch_hca.agreement
 
 
@@ -36,7 +36,12 @@ class Options:
       compile the same graphs in the same order.
     layout: "solve" (default): the layout pass chooses every value's placement
       by a global cost minimization (`torch_hca.layout_solver`); "dtensor": keep
-      DTensor's own per-op choices, only made explicit.
+      DTensor's own per-op choices, only made explicit; "tune": the layouts the
+      solver picks with communication priced as calibrated, 4x dearer and 4x
+      cheaper, and DTensor's, each compiled, timed on the first call and the
+      fastest kept (`torch_hca.backends.tune`).
+    tune_rounds: with layout="tune", timed forward + backward runs of each
+      candidate on the first call's inputs (default 5; the median decides).
     memory_weight: seconds of step time one byte of activation memory per rank
       is worth to the layout solver (default 0: memory is free).
     memory_budget: bytes of activation memory per rank the layout may use
@@ -74,6 +79,7 @@ class Options:
     debug_dir: str | None = None
     rank_rewrites: bool = False
     layout: str = "solve"
+    tune_rounds: int = 5
     memory_weight: float = 0.0
     memory_budget: float | None = None
     solver_time_limit_s: float = 10.0
@@ -111,6 +117,12 @@ class Options:
         layout = options.get("layout", "solve")
         if layout not in LAYOUT:
             raise OptionsError(f"backend 'hca': options['layout']={layout!r}; use one of {LAYOUT}")
+        tune_rounds = options.get("tune_rounds", 5)
+        if isinstance(tune_rounds, bool) or not isinstance(tune_rounds, int) or tune_rounds < 1:
+            raise OptionsError(f"backend 'hca': options['tune_rounds'] must be an int >= 1, got {tune_rounds!r}")
+        if layout == "tune" and inner == "dtensor":
+            raise OptionsError("backend 'hca': options layout='tune' times compiled programs, and inner='dtensor' "
+                               "compiles none; use inner='eager' or 'inductor' with it")
         numbers = {}
         for key in ("memory_weight", "memory_budget", "solver_time_limit_s", "bucket_cap_mb", "max_in_flight_mb"):
             if key in options and not (key in ("memory_budget", "bucket_cap_mb") and options[key] is None):
@@ -136,7 +148,7 @@ class Options:
             )
         return cls(
             inner=inner, strict=options.get("strict", False), debug_dir=debug_dir,
-            rank_rewrites=options.get("rank_rewrites", False), layout=layout,
+            rank_rewrites=options.get("rank_rewrites", False), layout=layout, tune_rounds=tune_rounds,
             cost_model=tuple(sorted(overrides.items())), schedule=options.get("schedule", True),
             check=options.get("check", False), input_check=input_check,
             mode=mode, **numbers,

@@ -54,12 +54,29 @@ def _describe(t: torch.Tensor) -> str:
     return layout_str(t.placements) if isinstance(t, DTensor) else "a local tensor"
 
 
+def history_cut(args: list[Any]) -> list[Any]:
+    """`args` with their history cut (a previous graph's outputs): a pull-back stops at this graph."""
+    return [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) and a.grad_fn is not None else a
+            for a in args]
+
+
+def restorer(args: list[Any]) -> Callable[[], None]:
+    """Put back, when called, what a run changed in `args`' plain tensors (buffers' running
+    statistics): a check or a timing run must leave the real step's inputs untouched."""
+    saved = [(a, a.detach().clone()) for a in args if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for a, before in saved:  # only what a run changed (a graph's inputs may be views)
+                if a.shape == before.shape and not torch.equal(a, before):
+                    a.copy_(before)
+    return restore
+
+
 def check_refinement(logical: fx.GraphModule, compiled: Callable, args: list[Any], what: str) -> dict[str, float]:
     """Run both programs on `args`; raise CheckError on the first output or gradient that differs."""
-    saved = [(a, a.detach().clone()) for a in args if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)]
-    # Cut the inputs' history (a previous graph's outputs): the check pulls back through this graph only.
-    args = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) and a.grad_fn is not None else a
-            for a in args]
+    restore = restorer(args)
+    args = history_cut(args)
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     errors: dict[str, float] = {}
     try:
@@ -100,7 +117,4 @@ def check_refinement(logical: fx.GraphModule, compiled: Callable, args: list[Any
                                  f"differs from the single-device program by {err:.3g} (relative)")
         return errors
     finally:
-        with torch.no_grad():
-            for a, before in saved:  # only what a run changed (a graph's inputs may be views)
-                if a.shape == before.shape and not torch.equal(a, before):
-                    a.copy_(before)
+        restore()

@@ -165,6 +165,10 @@ class GraphReport:
     passes: list[PassRecord] = field(default_factory=list)
     schedules: dict[str, dict[str, Any]] = field(default_factory=dict)
     layout: dict[str, Any] = field(default_factory=dict)  # the layout solver's decision (see explain())
+    # Option layout="tune": on the program kept, each candidate's time (`torch_hca.backends.tune`);
+    # on the others, why they were dropped (hca.report leaves them out).
+    tuning: dict[str, Any] | None = None
+    dropped: str | None = None
     # Wall seconds of the compiled forward's and backward's recent calls after the first
     # (backends/pipeline.py times them; CPU meshes only), for `CompileReport.measured`.
     call_times: dict[str, collections.deque] = field(
@@ -186,6 +190,11 @@ class GraphReport:
 
 # Every graph compiled in this process, in order.
 _GRAPHS: list[GraphReport] = []
+
+
+def next_graph_index() -> int:
+    """The index the next compiled graph's report gets ("graph N" in messages)."""
+    return len(_GRAPHS)
 
 
 def new_graph_report(options: Any) -> GraphReport:
@@ -290,6 +299,7 @@ class CompileReport:
                     "collectives": [c.as_dict() for c in g.collectives],
                     "schedules": {k: {f: v for f, v in s.items() if f != "before"} for k, s in g.schedules.items()},
                     "layout": g.layout,
+                    "tuning": g.tuning,
                 }
                 for g in self.graphs
             ],
@@ -368,6 +378,8 @@ class CompileReport:
                          f"{lay['strategies']} strategies, solved in {lay['seconds']:.2f} s; "
                          f"cost model: {lay.get('cost_model_source', '?')}")
             lines = [head + " =="]
+            if g.tuning is not None:
+                lines.append(tuning_line(g.tuning))
             rows = lay.get("values", [])
             if rows:
                 lines.append(f"{'value':<24} {'shape':<14} {'placement':<10} {'reads':<24} "
@@ -419,6 +431,16 @@ class StepMeasure:
                 f"the cost model is off by {self.error:+.0%}")
 
 
+def tuning_line(tuning: dict[str, Any]) -> str:
+    """One line: the candidates layout="tune" timed, the one kept first."""
+    failed = "".join(f"; not compiled: {f}" for f in tuning.get("failed", []))
+    if len(tuning["candidates"]) == 1:
+        return f"tuned: one program to run ({tuning['candidates'][0]['layout']}), nothing timed{failed}"
+    times = ", ".join(f"{c['layout']} {c['median_s'] * 1e3:.2f} ms" for c in tuning["candidates"])
+    return (f"tuned: kept {tuning['kept']} of {len(tuning['candidates'])} distinct layouts, by the slowest rank's "
+            f"median of {tuning['rounds']} forward + backward runs on the first call's inputs: {times}{failed}")
+
+
 def _aligned(rows: list[tuple[str, ...]], width: int | None) -> str:
     """Rows as aligned columns; given ``width``, a row wider than it wraps its last (free text) column."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -468,16 +490,17 @@ def report(compiled: Any = None) -> CompileReport:
     model itself. It must have been called at least once.
     """
     if compiled is None:
-        if not _GRAPHS:
+        kept = [g for g in _GRAPHS if g.dropped is None]
+        if not kept:
             raise HCAError("hca.report(): nothing has been compiled with backend='hca' in this process")
-        return CompileReport([_GRAPHS[-1]])
+        return CompileReport([kept[-1]])
     module = getattr(compiled, "_orig_mod", compiled)
     if not isinstance(module, torch.nn.Module):
         raise HCAError(
             f"hca.report: expected the module torch.compile returned, got {type(compiled).__name__}"
         )
     params = list(module.parameters())
-    graphs = [g for g in _GRAPHS if g.reads_any(params)]
+    graphs = [g for g in _GRAPHS if g.dropped is None and g.reads_any(params)]
     if not graphs:
         raise HCAError(
             f"hca.report: no graph of this {type(module).__name__} was compiled with backend='hca'; "

@@ -119,6 +119,14 @@ class CostModel:
         wire_per_byte = RULES[Kind.ALL_REDUCE].wire_bytes(1.0, n)
         return latency * (1 - latency_share) / latency_share * self.bytes_per_s / wire_per_byte
 
+    def with_communication_scaled(self, factor: float) -> "CostModel":
+        """This model with every collective `factor` times as slow (latencies times it, rates
+        over it) and compute as it is: the machine as a calibration off by `factor` would see it."""
+        return dataclasses.replace(
+            self, launch_s=self.launch_s * factor, alpha_s=self.alpha_s * factor, sync_s=self.sync_s * factor,
+            bytes_per_s=self.bytes_per_s / factor, gather_bytes_per_s=self.gather_bytes_per_s / factor,
+            scatter_bytes_per_s=self.scatter_bytes_per_s / factor)
+
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
 

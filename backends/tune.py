@@ -1,0 +1,169 @@
+"""Option ``layout="tune"``: the layout chosen by the clock, on the first call.
+
+The layout solver prices every choice with the cost model, and a calibration of a
+busy machine can be off several-fold (docs/bench.md: one VM measured a collective's
+launch at 0.13 ms in one run and 2.2 ms in another), which flips the choices whose
+prices are close. With ``layout="tune"`` the pipeline compiles the programs the
+solver picks with communication priced as calibrated, 4x dearer and 4x cheaper, and
+DTensor's per-op choices (`candidate_options`; candidates with the same DTensor
+program are compiled once). On the first call every rank runs each candidate's
+forward and backward on that call's inputs, one untimed run each, then
+``tune_rounds`` timed runs in turn; the ranks exchange their medians and all keep
+the candidate whose slowest rank's median is smallest (`pick`). The backward pulls
+a fixed random cotangent back without touching ``.grad``; buffers the runs change
+and the random number generators are put back, so the training step that follows
+is the one it would have been. The kept program serves every call from then on;
+its report lists each candidate's time (`CompileReport.explain`), and the others'
+reports are left out of ``hca.report``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from torch_hca.exchange import exchange, needs_exchange
+from torch_hca.options import Options
+from torch_hca.refinement import history_cut, restorer
+from torch_hca.report import GraphReport
+
+# (layout option, communication priced this many times the calibration's): the candidates, in
+# the order a tie is broken (the calibrated solve first).
+SCENARIOS: tuple[tuple[str, float], ...] = (("solve", 1.0), ("solve", 4.0), ("solve", 0.25), ("dtensor", 1.0))
+
+
+def _label(layout: str, factor: float) -> str:
+    return layout if factor == 1.0 else f"{layout}, communication x{factor:g}"
+
+
+def candidate_options(options: Options, device_type: str) -> list[tuple[str, Options]]:
+    """(label, options) of each layout to try: `options` with its layout set, and for a solve
+    under another price of communication, the whole cost model given as overrides."""
+    base = options.costs(device_type)
+    out = []
+    for layout, factor in SCENARIOS:
+        opts = dataclasses.replace(options, layout=layout)
+        if factor != 1.0:  # the user's overrides kept, the collectives' figures scaled
+            scaled = base.with_communication_scaled(factor).as_dict()
+            changed = {k: v for k, v in scaled.items() if v != getattr(base, k)}
+            opts = dataclasses.replace(opts, cost_model=tuple(sorted({**dict(options.cost_model), **changed}.items())))
+        out.append((_label(layout, factor), opts))
+    return out
+
+
+@dataclass
+class Candidate:
+    """One distinct program: its label (and those of candidates that laid out the same), its report."""
+
+    label: str
+    report: GraphReport
+    compiled: Callable
+    same_as: list[str] = field(default_factory=list)  # other candidates' labels that laid out this program
+    failed: list[str] = field(default_factory=list)  # on the first: the candidates that did not compile, why
+
+
+def pick(medians_by_rank: dict[int, list[float]]) -> tuple[int, list[float]]:
+    """The candidate to keep: the least of the slowest rank's medians (the earlier on a tie),
+    and those slowest medians. Every rank computes it from the same numbers, so all agree."""
+    slowest = [max(column) for column in zip(*medians_by_rank.values())]
+    return min(range(len(slowest)), key=lambda i: (slowest[i], i)), slowest
+
+
+class Tuned:
+    """The compiled graph under ``layout="tune"``: times the candidates on its first call,
+    then runs the one kept."""
+
+    def __init__(self, candidates: list[Candidate], rounds: int, device_type: str):
+        self.candidates, self.rounds, self.device_type = candidates, rounds, device_type
+        self.kept: Candidate | None = candidates[0] if len(candidates) == 1 else None
+        if self.kept is not None:
+            self._record([])
+
+    @property
+    def report(self) -> GraphReport:
+        """The kept program's report (before the first call: the calibrated solve's)."""
+        return (self.kept or self.candidates[0]).report
+
+    def __call__(self, *args):
+        if self.kept is None:
+            medians = self._time(list(args))
+            index, slowest = pick(_medians_by_rank(medians, self.report.index))
+            self.kept = self.candidates[index]
+            self._record(slowest)
+        return self.kept.compiled(*args)
+
+    def _time(self, args: list[Any]) -> list[float]:
+        """This rank's median forward + backward seconds of each candidate on `args`."""
+        sync = torch.cuda.synchronize if self.device_type == "cuda" else (lambda: None)
+        restore, rng = restorer(args), _rng_state(self.device_type)
+        args = history_cut(args)
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        times: list[list[float]] = [[] for _ in self.candidates]
+        try:
+            cotangents = [_run(c.compiled, args, leaves, None, sync)[1] for c in self.candidates]  # untimed
+            for r in range(self.rounds):
+                order = list(range(len(self.candidates)))
+                for i in order[r % len(order):] + order[:r % len(order)]:  # each round starts elsewhere
+                    times[i].append(_run(self.candidates[i].compiled, args, leaves, cotangents[i], sync)[0])
+        finally:
+            restore()
+            _set_rng_state(self.device_type, rng)
+        return [statistics.median(t) for t in times]
+
+    def _record(self, slowest: list[float]) -> None:
+        """The kept program's report lists every candidate's time; the others' are dropped."""
+        kept = self.kept
+        kept.report.tuning = {
+            "kept": kept.label, "kept_graph": kept.report.index, "rounds": self.rounds,
+            "candidates": [{"layout": " = ".join([c.label, *c.same_as]), "graph": c.report.index,
+                            "median_s": slowest[i] if slowest else float("nan")}
+                           for i, c in enumerate(self.candidates)],
+            "failed": self.candidates[0].failed,
+        }
+        for c in self.candidates:
+            if c is not kept:
+                c.report.dropped = f"layout='tune' kept graph {kept.report.index} ({kept.label}), which ran faster"
+
+
+def _run(compiled: Callable, args: list[Any], leaves: list[torch.Tensor], cotangents: list[torch.Tensor] | None,
+         sync: Callable[[], None]) -> tuple[float, list[torch.Tensor]]:
+    """Seconds of one forward and backward (the backward when grad mode is on and an output
+    needs one), and the cotangents it pulled back (made on the first run: the same each time)."""
+    sync()
+    start = time.perf_counter()
+    out = compiled(*args)
+    outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
+            if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()]
+    if cotangents is None:
+        gen = torch.Generator().manual_seed(0)  # the same on every rank
+        cotangents = [torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device) for o in outs]
+    if outs and leaves:
+        torch.autograd.grad(outs, leaves, cotangents, allow_unused=True)
+    sync()
+    return time.perf_counter() - start, cotangents
+
+
+def _medians_by_rank(medians: list[float], graph: int) -> dict[int, list[float]]:
+    """Every rank's medians (through the rendezvous store; just this rank's on one rank)."""
+    if not needs_exchange():
+        return {0: medians}
+    text = " ".join(repr(m) for m in medians)
+    texts = exchange("tune", text, range(dist.get_world_size()), f"graph {graph}, layout='tune'")
+    texts[dist.get_rank()] = text
+    return {r: [float(x) for x in t.split()] for r, t in sorted(texts.items())}
+
+
+def _rng_state(device_type: str) -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if device_type == "cuda" else None
+
+
+def _set_rng_state(device_type: str, state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
