@@ -21,7 +21,7 @@ from ..plan import sharded, trace_over_dtensor
 from ..spmd.collective_kinds import Kind, bytes_per_rank
 from . import zoo
 
-CONTESTANTS = ("hca", "hca_inductor", "hca_noschedule", "hca_dtensor_layout", "hca_dp", "hca_dp_replicated",
+CONTESTANTS = ("hca", "hca_inductor", "hca_tune", "hca_noschedule", "hca_dtensor_layout", "hca_dp", "hca_dp_replicated",
                "dtensor_eager", "dtensor_inductor", "expert", "expert_inductor", "ddp", "fsdp2", "single_inductor")
 MODELS = ("mlp", "block", "lm", "tt", "dp", "dp512", "fsdp")
 LR = 1e-3
@@ -35,6 +35,7 @@ ALTERNATIVES = ("hca_dtensor_layout", "hca_dp")
 _HCA = {
     "hca": (None, None, {}),
     "hca_inductor": (None, None, {"inner": "inductor"}),
+    "hca_tune": (None, None, {"layout": "tune"}),  # the layout chosen by the clock on the first call
     "hca_noschedule": (None, None, {"schedule": False}),
     "hca_dtensor_layout": (None, None, {"layout": "dtensor"}),
     "hca_dp": (None, True, {}),  # data parallel on the plan's storage: weights gathered as needed

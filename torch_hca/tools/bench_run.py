@@ -311,8 +311,13 @@ def merge(per_rank: list) -> list:
         for r in rows:
             if r["contestant"] == "hca":
                 r["step_time_ratio_vs"] = {o["contestant"]: o["hca_step_time_ratio"] for o in rows if o is not r}
+            if r["contestant"] in REGRET_OF:
                 r.update(_regret(r, rows))
     return merged
+
+
+# Whose regret the bench measures: hca's default, and hca choosing by the clock (layout="tune").
+REGRET_OF = ("hca", "hca_tune")
 
 
 def _regret(hca: dict, rows: list) -> dict:

@@ -44,7 +44,7 @@ def _aligned(table: list) -> list[str]:
 # hca's own program run another way (same layout, same bytes), one device (no communication), and
 # another storage than the plan's (replicated: the user's memory, not a layout to choose): not
 # alternatives to compare hca's bytes against.
-_NOT_COMPARED = ("hca", "hca_inductor", "hca_noschedule", "single_inductor", "hca_dp_replicated")
+_NOT_COMPARED = ("hca", "hca_inductor", "hca_tune", "hca_noschedule", "single_inductor", "hca_dp_replicated")
 
 
 def _fewest_bytes(rows: list) -> list[str]:
@@ -67,18 +67,21 @@ def _fewest_bytes(rows: list) -> list[str]:
 
 
 def _regret_line(rows: list) -> list[str]:
-    hca = next((r for r in rows if r["contestant"] == "hca"), None)
-    if hca is None or hca.get("regret") is None:
-        return []
-    same = hca.get("regret_same_program") or []
-    alts = ", ".join(f"{c} {1e3 * t:.2f}" + (" (hca's program)" if c in same else "")
-                     for c, t in hca["regret_alternatives_s"].items())
-    if hca["regret_vs"] in same:
-        return [f"regret 1.00: no other layout hca could have chosen was faster; {', '.join(same)} came out "
-                f"as hca's own program (ms: {alts}: the same program timed twice, apart by noise alone)"]
-    return [f"regret {hca['regret']:.2f}: hca {1e3 * hca['step_time_s']:.2f} ms / {hca['regret_vs']} "
-            f"{1e3 * hca['regret_alternatives_s'][hca['regret_vs']]:.2f} ms, the fastest other layout "
-            f"(ms: {alts}); above 1, a layout hca could have chosen was faster"]
+    """One line per contestant whose regret the bench measures (hca, hca_tune)."""
+    lines = []
+    for hca in (r for r in rows if r.get("regret") is not None):
+        who = hca["contestant"]
+        same = hca.get("regret_same_program") or []
+        alts = ", ".join(f"{c} {1e3 * t:.2f}" + (f" ({who}'s program)" if c in same else "")
+                         for c, t in hca["regret_alternatives_s"].items())
+        if hca["regret_vs"] in same:
+            lines.append(f"{who} regret 1.00: no other layout was faster; {', '.join(same)} came out as {who}'s "
+                         f"own program (ms: {alts}: the same program timed twice, apart by noise alone)")
+        else:
+            lines.append(f"{who} regret {hca['regret']:.2f}: {who} {1e3 * hca['step_time_s']:.2f} ms / "
+                         f"{hca['regret_vs']} {1e3 * hca['regret_alternatives_s'][hca['regret_vs']]:.2f} ms, the "
+                         f"fastest other layout (ms: {alts}); above 1, a layout hca could have chosen was faster")
+    return lines
 
 
 # fp32 against one device: any gradient further off than this is a wrong program, not rounding.
@@ -186,7 +189,8 @@ FOOTNOTES = [
     "each compiled by hca (hca_dtensor_layout: DTensor's per-op choices; hca_dp: the batch split, the plan's "
     "storage); an alternative that emits hca's own program (same forward and backward graphs) counts at hca's "
     "time. hca_dp_replicated (every parameter replicated, the batch split) changes the storage: shown, not "
-    "counted. The expert plans' storage is hca's plan here, so it adds no contestant.",
+    "counted. The expert plans' storage is hca's plan here, so it adds no contestant. hca_tune "
+    "(options layout='tune': the layout kept by timing the candidates on the first call) has its own line.",
 ]
 
 
