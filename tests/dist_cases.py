@@ -169,9 +169,9 @@ class TwoStage(nn.Module):
 TWO_STAGE_PLAN = {"a.fc1.*": Shard(0), "a.fc2.weight": Shard(1), "b.fc1.*": Shard(0), "b.fc2.weight": Shard(1)}
 
 
-def graph_break_two_outputs() -> dict[str, Any]:
+def graph_break_two_outputs(options: dict | None = None) -> dict[str, Any]:
     case = Case(TwoStage, TWO_STAGE_PLAN, ONE_D, Replicate(), Replicate(), (8, 16))
-    _, ref, model, compiled = setup(case)
+    _, ref, model, compiled = setup(case, options)
     torch._dynamo.utils.counters.clear()
     x = torch.randn(8, 16)
     out, twice = compiled(x)
@@ -185,6 +185,7 @@ def graph_break_two_outputs() -> dict[str, Any]:
         "graphs": len(rep.graphs),
         "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
         "forward": rep.collective_counts("forward"),
+        "tuning": [g.tuning for g in rep.graphs],
     }
 
 

@@ -23,6 +23,18 @@ def test_graph_break_and_several_outputs(worlds, world_size):
     assert r["forward"] == {"all_gather": 1}
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tune_compiles_and_times_each_graph_of_a_break(worlds, world_size):
+    """layout="tune" across a graph break: each graph keeps its own program on its first call,
+    and the two together still train as one device (the report lists the first graph only)."""
+    results = worlds(world_size).run(dist_cases.graph_break_two_outputs, {"layout": "tune", "tune_rounds": 1})
+    r = results[0]
+    assert r["out_err"] <= TOL and r["grad_err"] <= TOL and r["graph_breaks"] >= 1 and r["graphs"] == 1
+    (tuning,) = r["tuning"]
+    assert tuning["candidates"] and tuning["kept_graph"] in [c["graph"] for c in tuning["candidates"]]
+    assert all(x["tuning"] == r["tuning"] and x["forward"] == r["forward"] for x in results)
+
+
 # The MLP recompiles once with a dynamic batch size (Dynamo's default). The
 # transformer block needs dynamic=False: DTensor in torch 2.13 cannot shard the
 # batched attention matmul under a symbolic batch size, so it recompiles per size.

@@ -114,3 +114,12 @@ def test_report_leaves_out_the_layouts_tune_dropped(fake_pg):
     assert hca.report().graph is g  # the last graph compiled: the kept one, not a dropped candidate
     assert "tuned: " in rep.explain()
     assert rep.strategy()["graphs"][0]["tuning"] == g.tuning
+
+
+def test_under_no_grad_the_candidates_are_timed_on_their_forward():
+    calls: list[str] = []
+    tuned = Tuned([_candidate(0, "solve", 0.0, calls), _candidate(1, "dtensor", 0.0, calls)], 2, "cpu")
+    with torch.no_grad():
+        (y,) = tuned(torch.ones(2, requires_grad=True), torch.ones(2), torch.zeros(1))
+    assert not y.requires_grad and len(calls) == 2 * 3 + 1
+    assert all(c["median_s"] >= 0 for c in tuned.report.tuning["candidates"])

@@ -136,6 +136,8 @@ def _hca_extras(compiled) -> dict:
     rep = report(compiled)
     out = {"report_bytes_per_step": sum(_wire_bytes_as_run(c) for c in rep.collectives),
            "program_sha1": program_fingerprint(rep),
+           # layout="tune": each candidate's first-call time and the one kept (backends/tune.py)
+           "tuning": [g.tuning for g in rep.graphs if g.tuning is not None] or None,
            "exposed_comm_est_s": None, "exposed_comm_est_unscheduled_s": None, "est_step_s": None,
            "est_compute_s": None, "est_comm_s": None}
     try:
