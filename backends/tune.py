@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from torch_hca.errors import CheckError
 from torch_hca.exchange import exchange, needs_exchange
 from torch_hca.options import Options
 from torch_hca.refinement import history_cut, restorer
@@ -93,7 +94,8 @@ class Tuned:
     def __call__(self, *args):
         if self.kept is None:
             medians = self._time(list(args))
-            index, slowest = pick(_medians_by_rank(medians, self.report.index))
+            labels = [c.label for c in self.candidates]
+            index, slowest = pick(_medians_by_rank(labels, medians, self.report.index))
             self.kept = self.candidates[index]
             self._record(slowest)
         return self.kept.compiled(*args)
@@ -149,14 +151,24 @@ def _run(compiled: Callable, args: list[Any], leaves: list[torch.Tensor], cotang
     return time.perf_counter() - start, cotangents
 
 
-def _medians_by_rank(medians: list[float], graph: int) -> dict[int, list[float]]:
-    """Every rank's medians (through the rendezvous store; just this rank's on one rank)."""
+def _medians_by_rank(labels: list[str], medians: list[float], graph: int) -> dict[int, list[float]]:
+    """Every rank's medians (through the rendezvous store; just this rank's on one rank). Ranks
+    that compiled other candidates (which the solver's determinism rules out) are an error."""
     if not needs_exchange():
         return {0: medians}
-    text = " ".join(repr(m) for m in medians)
-    texts = exchange("tune", text, range(dist.get_world_size()), f"graph {graph}, layout='tune'")
+    text = "\n".join(f"{label}\t{m!r}" for label, m in zip(labels, medians))
+    what = f"graph {graph}, layout='tune'"
+    texts = exchange("tune", text, range(dist.get_world_size()), what)
     texts[dist.get_rank()] = text
-    return {r: [float(x) for x in t.split()] for r, t in sorted(texts.items())}
+    out = {}
+    for rank, t in sorted(texts.items()):
+        rows = [line.split("\t") for line in t.split("\n")]
+        if [label for label, _ in rows] != labels:
+            raise CheckError(f"{what}: rank {rank} timed the candidates {[label for label, _ in rows]} but rank "
+                             f"{dist.get_rank()} timed {labels}: the ranks compiled different layouts; give every "
+                             "rank the same model, plan, options and calibration")
+        out[rank] = [float(m) for _, m in rows]
+    return out
 
 
 def _rng_state(device_type: str) -> tuple:

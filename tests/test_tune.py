@@ -123,3 +123,18 @@ def test_under_no_grad_the_candidates_are_timed_on_their_forward():
         (y,) = tuned(torch.ones(2, requires_grad=True), torch.ones(2), torch.zeros(1))
     assert not y.requires_grad and len(calls) == 2 * 3 + 1
     assert all(c["median_s"] >= 0 for c in tuned.report.tuning["candidates"])
+
+
+def test_ranks_that_timed_other_candidates_are_an_error(monkeypatch):
+    from torch_hca.backends import tune
+
+    monkeypatch.setattr(tune, "needs_exchange", lambda: True)
+    monkeypatch.setattr(tune.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(tune.dist, "get_rank", lambda: 0)
+    peer = {1: "solve\t0.5\ndtensor\t0.25"}
+    monkeypatch.setattr(tune, "exchange", lambda topic, text, peers, what: dict(peer))
+    assert tune._medians_by_rank(["solve", "dtensor"], [0.75, 0.125], 4) == {0: [0.75, 0.125], 1: [0.5, 0.25]}
+    peer[1] = "solve\t0.5"
+    with pytest.raises(hca.CheckError, match=r"graph 4, layout='tune': rank 1 timed the candidates \['solve'\] but "
+                                             r"rank 0 timed \['solve', 'dtensor'\]"):
+        tune._medians_by_rank(["solve", "dtensor"], [0.75, 0.125], 4)
