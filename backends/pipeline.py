@@ -52,7 +52,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
     agreement = InputAgreement(gm, f"graph {next_graph_index()}", options.input_check)
     logical = _copy(gm) if options.check else None
     if options.layout == "tune":
-        tuned = Tuned(_tune_candidates(gm, example_inputs, options), options.tune_rounds, _device_type(gm))
+        candidates, failed = _tune_candidates(gm, example_inputs, options)
+        tuned = Tuned(candidates, options.tune_rounds, _device_type(gm), failed)
         compiled, report_of, communicates = tuned, lambda: tuned.report, True
     else:
         report = new_graph_report(options)
@@ -68,8 +69,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
     return _agreed(compiled, agreement, logical is not None or communicates)
 
 
-def _tune_candidates(gm: fx.GraphModule, example_inputs: list[Any], options: Options) -> list[Candidate]:
-    """Each distinct program of `tune.candidate_options`, laid out and lowered (option layout="tune")."""
+def _tune_candidates(gm: fx.GraphModule, example_inputs: list[Any], options: Options) -> tuple[list[Candidate], list[str]]:
+    """Each distinct program of `tune.candidate_options`, laid out and lowered (option layout="tune"),
+    and "label: why" of each that did not compile."""
     by_program: dict[str, Candidate] = {}
     failed: list[str] = []
     for label, opts in candidate_options(options, _device_type(gm)):
@@ -92,9 +94,7 @@ def _tune_candidates(gm: fx.GraphModule, example_inputs: list[Any], options: Opt
             report.dropped = f"layout='tune': the same DTensor program as graph {same.report.index} ({same.label})"
             continue
         by_program[program.code] = Candidate(label, report, compiled)
-    candidates = list(by_program.values())
-    candidates[0].failed = failed
-    return candidates
+    return list(by_program.values()), failed
 
 
 def _device_type(gm: fx.GraphModule) -> str:

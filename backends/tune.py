@@ -66,7 +66,6 @@ class Candidate:
     report: GraphReport
     compiled: Callable
     same_as: list[str] = field(default_factory=list)  # other candidates' labels that laid out this program
-    failed: list[str] = field(default_factory=list)  # on the first: the candidates that did not compile, why
 
 
 def pick(medians_by_rank: dict[int, list[float]]) -> tuple[int, list[float]]:
@@ -80,8 +79,9 @@ class Tuned:
     """The compiled graph under ``layout="tune"``: times the candidates on its first call,
     then runs the one kept."""
 
-    def __init__(self, candidates: list[Candidate], rounds: int, device_type: str):
-        self.candidates, self.rounds, self.device_type = candidates, rounds, device_type
+    def __init__(self, candidates: list[Candidate], rounds: int, device_type: str, failed: list[str] = ()):
+        """`failed`: the candidates that did not compile, each "label: why" (shown in the report)."""
+        self.candidates, self.rounds, self.device_type, self.failed = candidates, rounds, device_type, list(failed)
         self.kept: Candidate | None = candidates[0] if len(candidates) == 1 else None
         if self.kept is not None:
             self._record([])
@@ -126,7 +126,7 @@ class Tuned:
             "candidates": [{"layout": " = ".join([c.label, *c.same_as]), "graph": c.report.index,
                             "median_s": slowest[i] if slowest else float("nan")}
                            for i, c in enumerate(self.candidates)],
-            "failed": self.candidates[0].failed,
+            "failed": self.failed,
         }
         for c in self.candidates:
             if c is not kept:

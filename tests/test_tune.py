@@ -95,8 +95,7 @@ def test_one_distinct_program_is_kept_without_timing():
     calls: list[str] = []
     only = _candidate(3, "solve", 0.0, calls)
     only.same_as.append("dtensor")
-    only.failed.append("solve, communication x4: PlanError: ...")
-    tuned = Tuned([only], rounds=5, device_type="cpu")
+    tuned = Tuned([only], rounds=5, device_type="cpu", failed=["solve, communication x4: PlanError: ..."])
     tuned(torch.ones(2), torch.ones(2), torch.zeros(1))
     assert calls == ["solve"]
     assert tuning_line(only.report.tuning) == ("tuned: one program to run (solve = dtensor), nothing timed; "
