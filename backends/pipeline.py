@@ -53,7 +53,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
     logical = _copy(gm) if options.check else None
     if options.layout == "tune":
         candidates, failed = _tune_candidates(gm, example_inputs, options)
-        tuned = Tuned(candidates, options.tune_rounds, _device_type(gm), failed)
+        tuned = Tuned(candidates, options.tune_rounds, _device_type(gm), failed, options.costs(_device_type(gm)))
         compiled, report_of, communicates = tuned, lambda: tuned.report, True
     else:
         report = new_graph_report(options)

@@ -32,7 +32,8 @@ from torch_hca.errors import CheckError
 from torch_hca.exchange import exchange, needs_exchange
 from torch_hca.options import Options
 from torch_hca.refinement import history_cut, restorer
-from torch_hca.report import GraphReport
+from torch_hca.report import CompileReport, GraphReport
+from torch_hca.spmd.cost_model import CostModel
 
 # (layout option, communication priced this many times the calibration's): the candidates, in
 # the order a tie is broken (the calibrated solve first).
@@ -79,9 +80,12 @@ class Tuned:
     """The compiled graph under ``layout="tune"``: times the candidates on its first call,
     then runs the one kept."""
 
-    def __init__(self, candidates: list[Candidate], rounds: int, device_type: str, failed: list[str] = ()):
-        """`failed`: the candidates that did not compile, each "label: why" (shown in the report)."""
+    def __init__(self, candidates: list[Candidate], rounds: int, device_type: str, failed: list[str] = (),
+                 costs: CostModel | None = None):
+        """`failed`: the candidates that did not compile, each "label: why" (shown in the report);
+        `costs`: the calibrated model, which predicts each candidate's time beside its measure."""
         self.candidates, self.rounds, self.device_type, self.failed = candidates, rounds, device_type, list(failed)
+        self.costs = costs
         self.kept: Candidate | None = candidates[0] if len(candidates) == 1 else None
         if self.kept is not None:
             self._record([])
@@ -93,30 +97,54 @@ class Tuned:
 
     def __call__(self, *args):
         if self.kept is None:
-            medians = self._time(list(args))
-            labels = [c.label for c in self.candidates]
-            index, slowest = pick(_medians_by_rank(labels, medians, self.report.index))
-            self.kept = self.candidates[index]
-            self._record(slowest)
+            self._tune(list(args))
         return self.kept.compiled(*args)
 
-    def _time(self, args: list[Any]) -> list[float]:
-        """This rank's median forward + backward seconds of each candidate on `args`."""
+    def _tune(self, args: list[Any]) -> None:
+        """Run every candidate once, merge those that emitted one program, time the rest in
+        turn, agree with the other ranks on the fastest and keep it."""
         sync = torch.cuda.synchronize if self.device_type == "cuda" else (lambda: None)
         restore, rng = restorer(args), _rng_state(self.device_type)
         args = history_cut(args)
         leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-        times: list[list[float]] = [[] for _ in self.candidates]
         try:
-            cotangents = [_run(c.compiled, args, leaves, None, sync)[1] for c in self.candidates]  # untimed
-            for r in range(self.rounds):
+            # Untimed: the first-call checks run, and AOTAutograd compiles each backward.
+            cotangents = {id(c): _run(c.compiled, args, leaves, None, sync)[1] for c in self.candidates}
+            self._merge_same_programs()
+            times: list[list[float]] = [[] for _ in self.candidates]
+            for r in range(self.rounds if len(self.candidates) > 1 else 0):
                 order = list(range(len(self.candidates)))
                 for i in order[r % len(order):] + order[:r % len(order)]:  # each round starts elsewhere
-                    times[i].append(_run(self.candidates[i].compiled, args, leaves, cotangents[i], sync)[0])
+                    c = self.candidates[i]
+                    times[i].append(_run(c.compiled, args, leaves, cotangents[id(c)], sync)[0])
         finally:
             restore()
             _set_rng_state(self.device_type, rng)
-        return [statistics.median(t) for t in times]
+        if len(self.candidates) == 1:
+            self.kept = self.candidates[0]
+            self._record([])
+            return
+        labels = [c.label for c in self.candidates]
+        medians = [statistics.median(t) for t in times]
+        index, slowest = pick(_by_rank("tune", labels, medians, self.report.index, float))
+        self.kept = self.candidates[index]
+        self._record(slowest)
+
+    def _merge_same_programs(self) -> None:
+        """Candidates whose layouts differ but whose emitted forward and backward are the same on
+        every rank are one program: timing them against each other would time noise."""
+        digests = [CompileReport([c.report]).program_digest() for c in self.candidates]
+        by_rank = _by_rank("tune-programs", [c.label for c in self.candidates], digests, self.report.index, str)
+        merged: list[Candidate] = []
+        for i, c in enumerate(self.candidates):
+            same = next((m for m in merged
+                         if all(d[i] == d[self.candidates.index(m)] for d in by_rank.values())), None)
+            if same is None:
+                merged.append(c)
+                continue
+            same.same_as += [c.label, *c.same_as]
+            c.report.dropped = f"layout='tune': the same program as graph {same.report.index} ({same.label})"
+        self.candidates = merged
 
     def _record(self, slowest: list[float]) -> None:
         """The kept program's report lists every candidate's time; the others' are dropped."""
@@ -124,13 +152,24 @@ class Tuned:
         kept.report.tuning = {
             "kept": kept.label, "kept_graph": kept.report.index, "rounds": self.rounds,
             "candidates": [{"layout": " = ".join([c.label, *c.same_as]), "graph": c.report.index,
-                            "median_s": slowest[i] if slowest else float("nan")}
+                            "median_s": slowest[i] if slowest else float("nan"),
+                            "predicted_s": self._predicted_s(c) if slowest else float("nan")}
                            for i, c in enumerate(self.candidates)],
             "failed": self.failed,
+            # The calibrated figures: hca.report's timeline and measured() price the kept program with
+            # these, not with the scaled ones it may have been laid out under.
+            "cost_model": None if self.costs is None else self.costs.as_dict(),
         }
         for c in self.candidates:
             if c is not kept:
                 c.report.dropped = f"layout='tune' kept graph {kept.report.index} ({kept.label}), which ran faster"
+
+
+    def _predicted_s(self, c: Candidate) -> float:
+        """The calibrated model's forward + backward of `c` (its scheduled timeline)."""
+        if self.costs is None:
+            return float("nan")
+        return CompileReport([c.report]).timeline(self.costs).after.total_s
 
 
 def _run(compiled: Callable, args: list[Any], leaves: list[torch.Tensor], cotangents: list[torch.Tensor] | None,
@@ -151,14 +190,15 @@ def _run(compiled: Callable, args: list[Any], leaves: list[torch.Tensor], cotang
     return time.perf_counter() - start, cotangents
 
 
-def _medians_by_rank(labels: list[str], medians: list[float], graph: int) -> dict[int, list[float]]:
-    """Every rank's medians (through the rendezvous store; just this rank's on one rank). Ranks
-    that compiled other candidates (which the solver's determinism rules out) are an error."""
+def _by_rank(topic: str, labels: list[str], values: list[Any], graph: int, parse: Callable[[str], Any]) -> dict[int, list]:
+    """Every rank's `values`, one per candidate (through the rendezvous store; just this rank's
+    on one rank). Ranks that compiled other candidates (which the solver's determinism rules
+    out) are an error."""
     if not needs_exchange():
-        return {0: medians}
-    text = "\n".join(f"{label}\t{m!r}" for label, m in zip(labels, medians))
+        return {0: list(values)}
+    text = "\n".join(f"{label}\t{v}" for label, v in zip(labels, values))  # str() of a float round-trips
     what = f"graph {graph}, layout='tune'"
-    texts = exchange("tune", text, range(dist.get_world_size()), what)
+    texts = exchange(topic, text, range(dist.get_world_size()), what)
     texts[dist.get_rank()] = text
     out = {}
     for rank, t in sorted(texts.items()):
@@ -167,7 +207,7 @@ def _medians_by_rank(labels: list[str], medians: list[float], graph: int) -> dic
             raise CheckError(f"{what}: rank {rank} timed the candidates {[label for label, _ in rows]} but rank "
                              f"{dist.get_rank()} timed {labels}: the ranks compiled different layouts; give every "
                              "rank the same model, plan, options and calibration")
-        out[rank] = [float(m) for _, m in rows]
+        out[rank] = [parse(v) for _, v in rows]
     return out
 
 

@@ -12,7 +12,8 @@ import torch_hca as hca
 from torch_hca.backends.tune import Candidate, Tuned, candidate_options, pick
 from torch_hca.options import Options
 from torch_hca.report import GraphReport, tuning_line
-from torch_hca.spmd.cost_model import DEFAULTS
+from torch_hca.spmd.cost_model import DEFAULTS, CostModel
+from torch_hca.tools import zoo
 
 
 def test_the_slowest_rank_decides_and_a_tie_keeps_the_earlier():
@@ -38,9 +39,21 @@ def test_candidates_price_communication_three_ways_and_keep_the_users_overrides(
         assert model.gather_bytes_per_s == 0.0  # 0: the all_reduce's rate, scaled with it
 
 
-def _candidate(index: int, label: str, seconds: float, calls: list[str]) -> Candidate:
+class _Program(torch.nn.Module):
+    """A stand-in for an emitted forward: its code (`x + k`) is what tells programs apart."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+
+    def forward(self, x):
+        return x + self.k
+
+
+def _candidate(index: int, label: str, seconds: float, calls: list[str], program: int | None = None) -> Candidate:
     """A stand-in compiled graph: y = w * x, `seconds` long, that draws from the global RNG
-    and bumps a buffer, as dropout and BatchNorm's running statistics do."""
+    and bumps a buffer, as dropout and BatchNorm's running statistics do. Its report's forward
+    is `_Program(program)` (default: its own index, a program of its own)."""
 
     def compiled(w, x, buffer):
         calls.append(label)
@@ -49,7 +62,9 @@ def _candidate(index: int, label: str, seconds: float, calls: list[str]) -> Cand
         buffer.add_(1.0)
         return (w * x,)
 
-    return Candidate(label, GraphReport(index=index, options=None), compiled)
+    report = GraphReport(index=index, options=None)
+    report.forward = torch.fx.symbolic_trace(_Program(index if program is None else program))
+    return Candidate(label, report, compiled)
 
 
 def test_the_first_call_times_every_candidate_and_then_runs_the_fastest_alone():
@@ -104,15 +119,25 @@ def test_one_distinct_program_is_kept_without_timing():
 
 def test_report_leaves_out_the_layouts_tune_dropped(fake_pg):
     torch.manual_seed(0)
-    model = hca.sharded({}, inputs=torch.distributed.tensor.Shard(0))(torch.nn.Linear(8, 8))
+    # An 8-tensor stack on 8 rows: the solver's picks differ with the price of communication
+    # (gradients reduced, or activations moved): three distinct programs at world size 4.
+    model = hca.sharded({}, inputs=torch.distributed.tensor.Shard(0))(zoo.DeepMLP(256, 4))
     compiled = torch.compile(model, backend="hca", options={"layout": "tune", "tune_rounds": 1})
-    compiled(torch.randn(4, 8)).sum().backward()
+    compiled(torch.randn(8, 256)).sum().backward()
     rep = hca.report(compiled)
     (g,) = rep.graphs
     assert g.dropped is None and g.tuning["kept_graph"] == g.index
     assert hca.report().graph is g  # the last graph compiled: the kept one, not a dropped candidate
     assert "tuned: " in rep.explain()
     assert rep.strategy()["graphs"][0]["tuning"] == g.tuning
+    candidates = g.tuning["candidates"]
+    assert len(candidates) >= 2 and all(c["predicted_s"] > 0 for c in candidates), candidates
+    # Each candidate's prediction is its timeline under the calibrated figures, which the kept
+    # program's own timeline uses too (not the scaled ones it may have been laid out under).
+    calibrated = CostModel(**g.tuning["cost_model"])
+    assert calibrated == Options.parse({}).costs("cpu")
+    kept = next(c for c in candidates if c["graph"] == g.index)
+    assert rep.timeline().after.total_s == pytest.approx(kept["predicted_s"])
 
 
 def test_under_no_grad_the_candidates_are_timed_on_their_forward():
@@ -132,8 +157,25 @@ def test_ranks_that_timed_other_candidates_are_an_error(monkeypatch):
     monkeypatch.setattr(tune.dist, "get_rank", lambda: 0)
     peer = {1: "solve\t0.5\ndtensor\t0.25"}
     monkeypatch.setattr(tune, "exchange", lambda topic, text, peers, what: dict(peer))
-    assert tune._medians_by_rank(["solve", "dtensor"], [0.75, 0.125], 4) == {0: [0.75, 0.125], 1: [0.5, 0.25]}
+    assert tune._by_rank("tune", ["solve", "dtensor"], [0.75, 0.125], 4, float) == {0: [0.75, 0.125], 1: [0.5, 0.25]}
     peer[1] = "solve\t0.5"
     with pytest.raises(hca.CheckError, match=r"graph 4, layout='tune': rank 1 timed the candidates \['solve'\] but "
                                              r"rank 0 timed \['solve', 'dtensor'\]"):
-        tune._medians_by_rank(["solve", "dtensor"], [0.75, 0.125], 4)
+        tune._by_rank("tune", ["solve", "dtensor"], [0.75, 0.125], 4, float)
+
+
+def test_layouts_that_emit_one_program_are_timed_as_one():
+    """Two layouts of the DTensor program can emit the same forward and backward: timing them
+    against each other would time the machine's noise, so they are merged after the first run."""
+    calls: list[str] = []
+    candidates = [_candidate(0, "solve", 0.0, calls, program=9), _candidate(1, "solve, communication x4", 0.0, calls),
+                  _candidate(2, "dtensor", 0.0, calls, program=9)]
+    tuned = Tuned(candidates, rounds=2, device_type="cpu")
+    tuned(torch.ones(2, requires_grad=True), torch.ones(2), torch.zeros(1))
+    # One untimed run of each, then 2 timed rounds of the two distinct programs, then the call.
+    assert calls.count("dtensor") == 1 and calls.count("solve") + calls.count("solve, communication x4") == 2 + 4 + 1
+    assert [c.label for c in tuned.candidates] == ["solve", "solve, communication x4"]
+    assert candidates[0].same_as == ["dtensor"]
+    assert candidates[2].report.dropped == "layout='tune': the same program as graph 0 (solve)"
+    layouts = [c["layout"] for c in tuned.report.tuning["candidates"]]
+    assert layouts == ["solve = dtensor", "solve, communication x4"]

@@ -41,7 +41,7 @@ class Options:
       cheaper, and DTensor's, each compiled, timed on the first call and the
       fastest kept (`torch_hca.backends.tune`).
     tune_rounds: with layout="tune", timed forward + backward runs of each
-      candidate on the first call's inputs (default 5; the median decides).
+      candidate on the first call's inputs (default 8; the median decides).
     memory_weight: seconds of step time one byte of activation memory per rank
       is worth to the layout solver (default 0: memory is free).
     memory_budget: bytes of activation memory per rank the layout may use
@@ -79,7 +79,7 @@ class Options:
     debug_dir: str | None = None
     rank_rewrites: bool = False
     layout: str = "solve"
-    tune_rounds: int = 5
+    tune_rounds: int = 8
     memory_weight: float = 0.0
     memory_budget: float | None = None
     solver_time_limit_s: float = 10.0
@@ -117,7 +117,7 @@ class Options:
         layout = options.get("layout", "solve")
         if layout not in LAYOUT:
             raise OptionsError(f"backend 'hca': options['layout']={layout!r}; use one of {LAYOUT}")
-        tune_rounds = options.get("tune_rounds", 5)
+        tune_rounds = options.get("tune_rounds", 8)
         if isinstance(tune_rounds, bool) or not isinstance(tune_rounds, int) or tune_rounds < 1:
             raise OptionsError(f"backend 'hca': options['tune_rounds'] must be an int >= 1, got {tune_rounds!r}")
         if layout == "tune" and inner == "dtensor":

@@ -7,6 +7,7 @@ two); a `CompileReport` gathers those of one compiled module.
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import re
 import textwrap
@@ -305,6 +306,12 @@ class CompileReport:
             ],
         }
 
+    def program_digest(self) -> str:
+        """A digest of the forward and backward graphs emitted (every graph of the module): two
+        compiles with one digest run the same program, whatever options chose it."""
+        code = [gm.code for g in self.graphs for gm in (g.forward, g.backward) if gm is not None]
+        return hashlib.sha1("\n".join(code).encode()).hexdigest()
+
     def timeline(self, costs: CostModel | None = None) -> "StepTimelines":
         """One training step estimated from the cost model, before and after the schedule pass.
 
@@ -331,7 +338,10 @@ class CompileReport:
             )
         if costs is None:
             device = (self.graphs[0].mesh or {}).get("device_type", "cpu")
-            solved = self.graphs[0].layout.get("cost_model")  # the figures the layout was solved with
+            # The figures the layout was solved with; under layout="tune" the calibrated ones (the kept
+            # program may have been laid out under communication priced otherwise).
+            tuning = self.graphs[0].tuning
+            solved = (tuning or {}).get("cost_model") or self.graphs[0].layout.get("cost_model")
             costs = CostModel(**solved) if solved else self.graphs[0].options.costs(device)
         return StepTimelines(estimate(before, costs), estimate(after, costs))
 
@@ -436,7 +446,8 @@ def tuning_line(tuning: dict[str, Any]) -> str:
     failed = "".join(f"; not compiled: {f}" for f in tuning.get("failed", []))
     if len(tuning["candidates"]) == 1:
         return f"tuned: one program to run ({tuning['candidates'][0]['layout']}), nothing timed{failed}"
-    times = ", ".join(f"{c['layout']} {c['median_s'] * 1e3:.2f} ms" for c in tuning["candidates"])
+    times = ", ".join(f"{c['layout']} {c['median_s'] * 1e3:.2f} ms (predicted {c['predicted_s'] * 1e3:.2f})"
+                      for c in tuning["candidates"])
     return (f"tuned: kept {tuning['kept']} of {len(tuning['candidates'])} distinct layouts, by the slowest rank's "
             f"median of {tuning['rounds']} forward + backward runs on the first call's inputs: {times}{failed}")
 

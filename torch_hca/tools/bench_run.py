@@ -5,7 +5,6 @@ records merged, with hca's step-time ratios and its regret over the other layout
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
 import os
 import statistics
@@ -135,7 +134,7 @@ def _hca_extras(compiled) -> dict:
     report has a timeline, the estimated exposed communication before and after scheduling."""
     rep = report(compiled)
     out = {"report_bytes_per_step": sum(_wire_bytes_as_run(c) for c in rep.collectives),
-           "program_sha1": program_fingerprint(rep),
+           "program_sha1": rep.program_digest(),
            # layout="tune": each candidate's first-call time and the one kept (backends/tune.py)
            "tuning": [g.tuning for g in rep.graphs if g.tuning is not None] or None,
            "exposed_comm_est_s": None, "exposed_comm_est_unscheduled_s": None, "est_step_s": None,
@@ -151,13 +150,6 @@ def _hca_extras(compiled) -> dict:
         out.update(exposed_comm_est_s=tl.after.exposed_comm_s, exposed_comm_est_unscheduled_s=tl.before.exposed_comm_s,
                    est_step_s=tl.after.total_s, est_compute_s=tl.after.compute_s, est_comm_s=tl.after.comm_s)
     return out
-
-
-def program_fingerprint(rep) -> str:
-    """A digest of the forward and backward graphs hca emitted (every graph of the module):
-    two contestants with one digest ran the same program, whatever options chose it."""
-    code = [gm.code for g in rep.graphs for gm in (g.forward, g.backward) if gm is not None]
-    return hashlib.sha1("\n".join(code).encode()).hexdigest()
 
 
 def _wire_bytes_as_run(c) -> float:
