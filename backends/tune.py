@@ -152,8 +152,8 @@ class Tuned:
         kept.report.tuning = {
             "kept": kept.label, "kept_graph": kept.report.index, "rounds": self.rounds,
             "candidates": [{"layout": " = ".join([c.label, *c.same_as]), "graph": c.report.index,
-                            "median_s": slowest[i] if slowest else float("nan"),
-                            "predicted_s": self._predicted_s(c) if slowest else float("nan")}
+                            "median_s": slowest[i] if slowest else None,  # None: nothing timed
+                            "predicted_s": self._predicted_s(c) if slowest else None}
                            for i, c in enumerate(self.candidates)],
             "failed": self.failed,
             # The calibrated figures: hca.report's timeline and measured() price the kept program with
@@ -165,10 +165,10 @@ class Tuned:
                 c.report.dropped = f"layout='tune' kept graph {kept.report.index} ({kept.label}), which ran faster"
 
 
-    def _predicted_s(self, c: Candidate) -> float:
+    def _predicted_s(self, c: Candidate) -> float | None:
         """The calibrated model's forward + backward of `c` (its scheduled timeline)."""
         if self.costs is None:
-            return float("nan")
+            return None
         return CompileReport([c.report]).timeline(self.costs).after.total_s
 
 

@@ -446,7 +446,8 @@ def tuning_line(tuning: dict[str, Any]) -> str:
     failed = "".join(f"; not compiled: {f}" for f in tuning.get("failed", []))
     if len(tuning["candidates"]) == 1:
         return f"tuned: one program to run ({tuning['candidates'][0]['layout']}), nothing timed{failed}"
-    times = ", ".join(f"{c['layout']} {c['median_s'] * 1e3:.2f} ms (predicted {c['predicted_s'] * 1e3:.2f})"
+    times = ", ".join(f"{c['layout']} {c['median_s'] * 1e3:.2f} ms"
+                      + ("" if c["predicted_s"] is None else f" (predicted {c['predicted_s'] * 1e3:.2f})")
                       for c in tuning["candidates"])
     return (f"tuned: kept {tuning['kept']} of {len(tuning['candidates'])} distinct layouts, by the slowest rank's "
             f"median of {tuning['rounds']} forward + backward runs on the first call's inputs: {times}{failed}")
