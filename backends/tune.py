@@ -7,14 +7,16 @@ prices are close. With ``layout="tune"`` the pipeline compiles the programs the
 solver picks with communication priced as calibrated, 4x dearer and 4x cheaper, and
 DTensor's per-op choices (`candidate_options`; candidates with the same DTensor
 program are compiled once). On the first call every rank runs each candidate's
-forward and backward on that call's inputs, one untimed run each, then
-``tune_rounds`` timed runs in turn; the ranks exchange their medians and all keep
-the candidate whose slowest rank's median is smallest (`pick`). The backward pulls
+forward and backward on that call's inputs once, untimed; candidates that emitted
+the same forward and backward on every rank are merged (timing one program against
+itself times noise); the rest take ``tune_rounds`` timed runs in turn. The ranks
+exchange their medians and all keep the candidate whose slowest rank's median is
+smallest (`pick`). The backward pulls
 a fixed random cotangent back without touching ``.grad``; buffers the runs change
 and the random number generators are put back, so the training step that follows
 is the one it would have been. The kept program serves every call from then on;
-its report lists each candidate's time (`CompileReport.explain`), and the others'
-reports are left out of ``hca.report``.
+its report lists each candidate's time beside the calibrated model's prediction of
+it (`CompileReport.explain`), and the others' reports are left out of ``hca.report``.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def _label(layout: str, factor: float) -> str:
 
 def candidate_options(options: Options, device_type: str) -> list[tuple[str, Options]]:
     """(label, options) of each layout to try: `options` with its layout set, and for a solve
-    under another price of communication, the whole cost model given as overrides."""
+    under another price of communication, the scaled collective figures added to its overrides."""
     base = options.costs(device_type)
     out = []
     for layout, factor in SCENARIOS:
@@ -163,7 +165,6 @@ class Tuned:
         for c in self.candidates:
             if c is not kept:
                 c.report.dropped = f"layout='tune' kept graph {kept.report.index} ({kept.label}), which ran faster"
-
 
     def _predicted_s(self, c: Candidate) -> float | None:
         """The calibrated model's forward + backward of `c` (its scheduled timeline)."""
