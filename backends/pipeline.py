@@ -52,8 +52,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
     agreement = InputAgreement(gm, f"graph {next_graph_index()}", options.input_check)
     logical = _copy(gm) if options.check else None
     if options.layout == "tune":
-        candidates, failed = _tune_candidates(gm, example_inputs, options)
-        tuned = Tuned(candidates, options.tune_rounds, _device_type(gm), failed, options.costs(_device_type(gm)))
+        device_type = _device_type(gm)
+        candidates, failed = _tune_candidates(gm, example_inputs, options, device_type)
+        tuned = Tuned(candidates, options.tune_rounds, device_type, failed, options.costs(device_type))
         compiled, report_of, communicates = tuned, lambda: tuned.report, True
     else:
         report = new_graph_report(options)
@@ -69,12 +70,13 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
     return _agreed(compiled, agreement, logical is not None or communicates)
 
 
-def _tune_candidates(gm: fx.GraphModule, example_inputs: list[Any], options: Options) -> tuple[list[Candidate], list[str]]:
+def _tune_candidates(gm: fx.GraphModule, example_inputs: list[Any], options: Options,
+                     device_type: str) -> tuple[list[Candidate], list[str]]:
     """Each distinct program of `tune.candidate_options`, laid out and lowered (option layout="tune"),
     and "label: why" of each that did not compile."""
     by_program: dict[str, Candidate] = {}
     failed: list[str] = []
-    for label, opts in candidate_options(options, _device_type(gm)):
+    for label, opts in candidate_options(options, device_type):
         first = not by_program and not failed
         report = new_graph_report(opts)
         try:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch_hca.errors import CheckError
 from torch_hca.exchange import exchange, needs_exchange
 from torch_hca.options import Options
-from torch_hca.refinement import history_cut, restorer
+from torch_hca.refinement import fixed_cotangents, history_cut, restorer
 from torch_hca.report import CompileReport, GraphReport
 from torch_hca.spmd.cost_model import CostModel
 
@@ -183,8 +183,7 @@ def _run(compiled: Callable, args: list[Any], leaves: list[torch.Tensor], cotang
     outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
             if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()]
     if cotangents is None:
-        gen = torch.Generator().manual_seed(0)  # the same on every rank
-        cotangents = [torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device) for o in outs]
+        cotangents = fixed_cotangents(outs)
     if outs and leaves:
         torch.autograd.grad(outs, leaves, cotangents, allow_unused=True)
     sync()

@@ -73,6 +73,12 @@ def restorer(args: list[Any]) -> Callable[[], None]:
     return restore
 
 
+def fixed_cotangents(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One random cotangent per output, from a fixed seed: the same on every rank and every call."""
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device) for o in outputs]
+
+
 def check_refinement(logical: fx.GraphModule, compiled: Callable, args: list[Any], what: str) -> dict[str, float]:
     """Run both programs on `args`; raise CheckError on the first output or gradient that differs."""
     restore = restorer(args)
@@ -97,8 +103,7 @@ def check_refinement(logical: fx.GraphModule, compiled: Callable, args: list[Any
         diff = [(e, g) for _, e, g in pairs if e.requires_grad and g.requires_grad and e.is_floating_point()]
         if not diff or not leaves:
             return errors
-        gen = torch.Generator().manual_seed(0)  # the same cotangent on every rank
-        cot = [torch.randn(g.shape, generator=gen, dtype=g.dtype).to(g.device) for _, g in diff]
+        cot = fixed_cotangents([g for _, g in diff])
         want = torch.autograd.grad([e for e, _ in diff], leaves, cot, allow_unused=True)
         have = torch.autograd.grad([g for _, g in diff], leaves, cot, allow_unused=True)
         wholes = [(_whole(w), _whole(h)) if w is not None and h is not None else (w, h) for w, h in zip(want, have)]
