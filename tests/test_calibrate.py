@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import time
 
 import pytest
 import torch
@@ -30,6 +31,38 @@ def test_every_rank_gets_rank_zeros_figures(worlds):
     # gloo's reduce_scatter runs as an all_reduce of its input: twice the ring's wire bytes in
     # about an all_reduce's time, so about half the all_reduce's rate per wire byte.
     assert 1e6 < figures["scatter_bytes_per_s"] < figures["bytes_per_s"]
+    assert 0 <= figures["contention"] <= 1
+
+
+class _Thread:
+    """A stand-in collective run by another thread that sleeps: it takes no core from compute."""
+
+    def __init__(self, seconds):
+        import threading
+
+        self.thread = threading.Thread(target=time.sleep, args=(seconds,))
+        self.thread.start()
+
+    def wait(self):
+        self.thread.join()
+
+
+class _Blocking:
+    """A stand-in collective that holds the caller until it is done: compute waits it out."""
+
+    def __init__(self, seconds):
+        time.sleep(seconds)
+
+    def wait(self):
+        pass
+
+
+@pytest.mark.parametrize("collective,expected", [(_Thread, 0.0), (_Blocking, 1.0)])
+def test_contention_is_the_share_of_a_collective_that_overlap_does_not_hide(collective, expected):
+    cal = importlib.import_module("torch_hca.calibrate")
+    step = lambda: time.sleep(0.002)
+    share = cal._contention(step, 0.002, lambda: collective(0.005), 0.005, lambda: None, repeats=10)
+    assert abs(share - expected) < 0.3, share
 
 
 def test_needs_a_process_group():

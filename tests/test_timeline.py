@@ -115,6 +115,35 @@ def test_waiting_after_independent_compute_hides_the_overlap(k):
     assert close(t.total_s, t.compute_s + t.exposed_comm_s)
 
 
+@pytest.mark.parametrize("contention", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("k", [1, 3, 40])
+def test_contention_slows_the_compute_a_collective_overlaps(k, contention):
+    b = Builder()
+    ar = b.all_reduce(b.x)
+    busy = b.mms(k)
+    t = estimate([("g0", fx.GraphModule(torch.nn.Module(), b.done(b.op(aten.add.Tensor, b.op(WAIT, ar), busy))))],
+                 CostModel(**{**COSTS.as_dict(), "contention": contention}), group_size=SIZES.__getitem__)
+    work, comm = k * MM_S, comm_s()
+    # The mms run at 1 - contention of their speed until the collective ends, then at full speed.
+    slowed = min(work, comm * (1 - contention))  # work done while the collective runs
+    mms_end = comm + (work - slowed) if slowed < work or contention == 1 else work / (1 - contention)
+    assert close(t.compute_s, work + N * N / COSTS.flops_per_s)  # the work itself, at full speed
+    assert close(t.events[-1].start_s, max(mms_end, comm))  # the add: after the mms and the wait
+    assert close(t.exposed_comm_s, t.total_s - t.compute_s) and t.exposed_comm_s <= comm + 1e-12
+    if contention == 1.0:  # nothing hidden: as if each ran alone, one after the other
+        assert close(t.total_s, t.compute_s + comm)
+
+
+def test_contention_is_a_share_from_0_to_1():
+    from torch_hca.errors import OptionsError
+    from torch_hca.spmd.cost_model import with_overrides
+
+    assert with_overrides(COSTS, {"contention": 1}).contention == 1.0
+    for bad in (1.5, -0.1):
+        with pytest.raises(OptionsError, match="contention"):
+            with_overrides(COSTS, {"contention": bad})
+
+
 def test_two_groups_run_in_parallel_one_group_in_series():
     def two(groups):
         b = Builder()

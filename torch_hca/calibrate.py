@@ -21,6 +21,10 @@ defaults are rough. This measures, on the current process group and device:
   * compute: a training step of a small MLP (4 x Linear(256, 256) + ReLU on 256 rows,
     forward and backward: 11 matmuls' FLOPs over its median time, so the rate includes
     what a step pays besides the matmuls, on all ranks at once as in a step);
+  * ``contention``: a 4 MiB all_reduce issued asynchronously before enough MLP steps
+    to outlast it, then waited: the time beyond the steps alone, over the all_reduce
+    alone (the three timed in turn), between 0 (overlap hides the collective) and 1
+    (the transport's threads take compute's cores: nothing hides);
   * memory: a 16 MiB copy; op_s: a tiny 12-layer MLP's training step through
     AOTAutograd, run op by op as the eager emitter runs it, per op (median);
   * ``call_s``: a tiny 6-layer MLP compiled by hca (replicated: no collective), its
@@ -116,6 +120,24 @@ def _after_compute_s(collective: Callable[[], None], compute: Callable[[], None]
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
+
+
+def _contention(step: Callable[[], None], step_s: float, start: Callable[[], dist.Work], start_s: float,
+                sync: Callable[[], None], repeats: int) -> float:
+    """The share of a collective's time compute loses while both run (see `_measure`): the
+    collective `start()` returns (about `start_s` long), issued before runs of `step` (about
+    `step_s` each) that outlast it, and waited."""
+    k = max(1, math.ceil(start_s / step_s))
+    steps = lambda: ([step() for _ in range(k)], sync())
+
+    def both():
+        work = start()
+        steps()
+        work.wait()
+        sync()
+
+    steps_s, comm_s, both_s = _typical_in_turn_s([steps, lambda: (start().wait(), sync()), both], repeats)
+    return min(max((both_s - steps_s) / max(comm_s, 1e-9), 0.0), 1.0)
 
 
 def _mlp_step(device: torch.device) -> tuple[Callable[[], None], float]:
@@ -249,6 +271,9 @@ def _measure(repeats: int) -> dict[str, float]:
     dist.barrier()
     step_s = _median_s(lambda: (step(), sync()), max(repeats // 2, 3))
     synced_s = _after_compute_s(lambda: dist.all_gather_single(out, tiny), step, sync, max(repeats // 2, 3))
+    dist.barrier()
+    contention = _contention(step, step_s, lambda: dist.all_reduce(bucket, async_op=True), reduce_times[-1],
+                             sync, repeats)
     op_s = _op_s(device, repeats)
     src, dst = torch.randn(2 ** 22, device=device), torch.empty(2 ** 22, device=device)
     (copy_s,) = _typical_in_turn_s([lambda: (dst.copy_(src), sync())], repeats)
@@ -272,7 +297,7 @@ def _measure(repeats: int) -> dict[str, float]:
         "bytes_per_s": 1.0 / seconds_per_byte,
         "flops_per_s": step_flops / step_s,
         "memory_bytes_per_s": 2 * src.numel() * 4 / copy_s,  # read and write
-        "op_s": op_s, "sync_s": sync, "call_s": 0.0,
+        "op_s": op_s, "sync_s": sync, "call_s": 0.0, "contention": contention,
         "gather_bytes_per_s": rate(Kind.ALL_GATHER, big_gather_s),
         "scatter_bytes_per_s": rate(Kind.REDUCE_SCATTER, big_scatter_s),
     }

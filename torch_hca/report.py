@@ -336,14 +336,16 @@ class CompileReport:
                 "hca.report(...).timeline(): no forward or backward graph was compiled (options inner='dtensor' "
                 "runs the DTensor program eagerly); compile with inner='eager' or 'inductor' to estimate a step"
             )
-        if costs is None:
-            device = (self.graphs[0].mesh or {}).get("device_type", "cpu")
-            # The figures the layout was solved with; under layout="tune" the calibrated ones (the kept
-            # program may have been laid out under communication priced otherwise).
-            tuning = self.graphs[0].tuning
-            solved = (tuning or {}).get("cost_model") or self.graphs[0].layout.get("cost_model")
-            costs = CostModel(**solved) if solved else self.graphs[0].options.costs(device)
-        return StepTimelines(estimate(before, costs), estimate(after, costs))
+        return StepTimelines(estimate(before, costs or self.cost_model()), estimate(after, costs or self.cost_model()))
+
+    def cost_model(self) -> CostModel:
+        """The figures `timeline()` plays the graphs with by default: those the layout was solved
+        with; under layout="tune" the calibrated ones (the kept program may have been laid out
+        under communication priced otherwise)."""
+        device = (self.graphs[0].mesh or {}).get("device_type", "cpu")
+        tuning = self.graphs[0].tuning
+        solved = (tuning or {}).get("cost_model") or self.graphs[0].layout.get("cost_model")
+        return CostModel(**solved) if solved else self.graphs[0].options.costs(device)
 
     def measured(self) -> "StepMeasure":
         """The compiled graphs' time on the clock against the cost model's prediction of it.

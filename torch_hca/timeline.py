@@ -27,12 +27,16 @@ The rules (a model, not a measurement; deterministic):
   so one group's collectives run one after another and groups in parallel;
   a coalesced collective is one transfer of all its tensors;
 * `wait_tensor` holds the compute lane until its collective ends (every
-  getitem of a coalesced collective resolves to that one transfer).
+  getitem of a coalesced collective resolves to that one transfer);
+* while any collective runs, the compute lane works at ``1 - costs.contention``
+  of its speed: the transport's threads take the cores compute runs on (at
+  contention 1 compute stops, and overlap hides nothing).
 
-``exposed_comm_s = total_s - compute_s`` is the time compute spends waiting
-on communication: with each wait right after its start (the traced order) it
-is all the communication; issuing early and waiting late hides up to the
-compute in between.
+``compute_s`` is the compute lane's work at full speed, and ``exposed_comm_s =
+total_s - compute_s`` the time communication adds: waits, and compute slowed
+by contention. With each wait right after its start (the traced order) it is
+all the communication; issuing early and waiting late hides up to the compute
+in between, less its contention.
 """
 
 from __future__ import annotations
@@ -75,9 +79,9 @@ class Event:
 class Timeline:
     events: list[Event]
     total_s: float          # end of the last event
-    compute_s: float        # sum of compute event durations
+    compute_s: float        # the compute lane's work at full speed
     comm_s: float           # sum of communication durations
-    exposed_comm_s: float   # total_s - compute_s: time compute waits on communication
+    exposed_comm_s: float   # total_s - compute_s: time communication adds (waits, contention)
 
     def lanes(self) -> list[str]:
         """"compute" first, then the communication lanes in the order they were first used."""
@@ -190,14 +194,15 @@ class _Player:
         self.group_size = group_size
         self.sizes: dict[str, int] = {}
         self.now = 0.0
+        self.work = 0.0  # compute-lane seconds at full speed
+        self.busy: list[tuple[float, float]] = []  # (start, end) of collectives that may still run
         self.lane_free: dict[str, float] = {}
         self.ends: dict[fx.Node, float] = {}  # collective, or getitem of a coalesced one -> its end
         self.events: list[Event] = []
 
     def play(self, graph: str, gm: fx.GraphModule) -> None:
         if self.costs.call_s > 0:  # the host work of calling the graph, before its first op
-            self.events.append(Event(CALL, COMPUTE, self.now, self.now + self.costs.call_s, "", graph))
-            self.now += self.costs.call_s
+            self.run(Event(CALL, COMPUTE, self.now, self.now, "", graph), self.costs.call_s)
         for node in gm.graph.nodes:
             if node.op != "call_function":
                 continue
@@ -214,9 +219,31 @@ class _Player:
         # Every op the program runs pays the host cost of issuing it; getitem is Python only.
         seconds = op_seconds(node, self.costs) + (0.0 if node.target is operator.getitem else self.costs.op_s)
         if seconds > 0:
-            name = str(node.target.overloadpacket)
-            self.events.append(Event(name, COMPUTE, self.now, self.now + seconds, node.name, graph))
-            self.now += seconds
+            self.run(Event(str(node.target.overloadpacket), COMPUTE, self.now, self.now, node.name, graph), seconds)
+
+    def run(self, event: Event, seconds: float) -> None:
+        """Put `seconds` of compute on the lane from now: slower where collectives run."""
+        self.work += seconds
+        self.now = event.end_s = self.finish(self.now, seconds)
+        self.events.append(event)
+
+    def finish(self, start: float, seconds: float) -> float:
+        """When compute of `seconds` begun at `start` ends, at speed 1 - contention while a
+        collective runs. Collectives issued later start later, so the known ones suffice."""
+        speed = 1.0 - self.costs.contention
+        self.busy = [(s, e) for s, e in self.busy if e > start]
+        t = start
+        for s, e in _union(self.busy):
+            if s > t:  # free until the next collective starts
+                if seconds <= s - t:
+                    return t + seconds
+                seconds -= s - t
+                t = s
+            if speed > 0 and seconds <= (e - t) * speed:
+                return t + seconds / speed
+            seconds -= (e - t) * speed
+            t = e
+        return t + seconds
 
     def issue(self, graph: str, node: fx.Node) -> None:
         info, group = OPS[node.target], node_group(node)
@@ -228,6 +255,7 @@ class _Player:
         start = max(self.now, self.lane_free.get(lane, 0.0))
         self.ends[node] = self.lane_free[lane] = start + seconds
         if seconds > 0:  # a group of one moves nothing
+            self.busy.append((start, start + seconds))
             name = info.kind.value + (" (coalesced)" if info.coalesced else "")
             self.events.append(Event(name, lane, start, start + seconds, node.name, graph))
 
@@ -243,6 +271,16 @@ def estimate(
         player.play(name, gm)
     events = player.events
     total = max((e.end_s for e in events), default=0.0)
-    compute = sum(e.duration_s for e in events if e.lane == COMPUTE)
     comm = sum(e.duration_s for e in events if e.lane != COMPUTE)
-    return Timeline(events, total, compute, comm, max(0.0, total - compute))
+    return Timeline(events, total, player.work, comm, max(0.0, total - player.work))
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The spans merged where they overlap, in order."""
+    merged: list[tuple[float, float]] = []
+    for s, e in sorted(spans):
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((s, e))
+    return merged

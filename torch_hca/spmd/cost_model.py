@@ -31,6 +31,11 @@ own; the emitter runs one as an all_reduce, which sends twice the ring's bytes):
 | call_s             | 0               | 0           |
 | gather_bytes_per_s | 0 (bytes_per_s) | 0           |
 | scatter_bytes_per_s| 0.5e9           | 0           |
+| contention         | 0               | 0           |
+
+``contention`` is for the timeline: while a collective runs, compute runs at
+``1 - contention`` of its speed (`torch_hca.timeline`). Calibration measures it:
+0.35 to 0.48 on a 2-core VM with two gloo ranks of one thread each.
 
 Figures measured once per machine are kept on disk: ``hca.calibrate(cache=True)``
 (or ``python -m torch_hca calibrate``) stores them in ``calibration.json`` under
@@ -85,6 +90,9 @@ class CostModel:
     # all_reduce's (0: bytes_per_s). gloo has no reduce-scatter: it runs as an all_reduce.
     gather_bytes_per_s: float = 0.0
     scatter_bytes_per_s: float = 0.0
+    # The share of its own time a collective takes from compute while both run: the transport's
+    # threads use the cores compute runs on (1: no core to spare, overlap hides nothing; 0: none).
+    contention: float = 0.0
 
     def collective_s(self, kind: Kind, payload_bytes: float, n: int) -> float:
         """Seconds for one collective of `kind` on `payload_bytes` over `n` ranks."""
@@ -187,13 +195,16 @@ def with_overrides(model: CostModel, overrides: Mapping[str, Any] | None) -> Cos
     for key, value in overrides.items():
         # Latencies may be 0, and the kinds' own rates (0: bytes_per_s); other rates may not.
         may_be_zero = key in ("launch_s", "alpha_s", "op_s", "sync_s", "call_s", "gather_bytes_per_s",
-                              "scatter_bytes_per_s")
+                              "scatter_bytes_per_s", "contention")
         if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
                 or value < 0 or (value == 0 and not may_be_zero)):
             raise OptionsError(
                 f"options['cost_model'][{key!r}] = {value!r}; give a finite number "
                 f"{'>= 0' if may_be_zero else '> 0'}" + ("" if may_be_zero else " (a huge one, e.g. 1e15, makes it free)")
             )
+        if key == "contention" and value > 1:
+            raise OptionsError(f"options['cost_model']['contention'] = {value!r}; give a share from 0 to 1 "
+                               "(1: compute stops while a collective runs)")
     return dataclasses.replace(model, **{k: float(v) for k, v in overrides.items()})
 
 

@@ -5,6 +5,7 @@ records merged, with hca's step-time ratios and its regret over the other layout
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import statistics
@@ -138,7 +139,7 @@ def _hca_extras(compiled) -> dict:
            # layout="tune": each candidate's first-call time and the one kept (backends/tune.py)
            "tuning": [g.tuning for g in rep.graphs if g.tuning is not None] or None,
            "exposed_comm_est_s": None, "exposed_comm_est_unscheduled_s": None, "est_step_s": None,
-           "est_compute_s": None, "est_comm_s": None}
+           "est_compute_s": None, "est_comm_s": None, "est_step_no_contention_s": None}
     try:
         m = rep.measured()
         out["graphs_measured"] = {"predicted_s": m.predicted_s, "measured_s": m.measured_s, "error": m.error,
@@ -149,6 +150,9 @@ def _hca_extras(compiled) -> dict:
         tl = rep.timeline()
         out.update(exposed_comm_est_s=tl.after.exposed_comm_s, exposed_comm_est_unscheduled_s=tl.before.exposed_comm_s,
                    est_step_s=tl.after.total_s, est_compute_s=tl.after.compute_s, est_comm_s=tl.after.comm_s)
+        # The same step as if collectives took nothing from compute: what the calibrated contention adds.
+        free = dataclasses.replace(rep.cost_model(), contention=0.0)
+        out["est_step_no_contention_s"] = rep.timeline(free).after.total_s
     return out
 
 
