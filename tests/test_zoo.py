@@ -216,8 +216,10 @@ def test_fsdp_gradients_reduce_scattered_on_gloo_run_as_all_reduces(worlds):
     assert ran.get("all_reduce", 0) == first["backward"].get("all_reduce", 0) + scattered, (ran, first["backward"])
 
 
+# At 4 ranks tune is checked on a graph break (test_features.py), not here: a 4-rank GPT-2 tune
+# took 29 s of the suite's 20-minute budget.
 @pytest.mark.parametrize("model_name,plan_name,world_size", [
-    ("gpt2", "megatron", 2), ("gpt2", "megatron", 4),
+    ("gpt2", "megatron", 2),
     # DTensor's own choice cannot compile here under strict (an implicit redistribution): tune
     # notes it and times the other three.
     ("llama", "fsdp", 2)])
