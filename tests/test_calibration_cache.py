@@ -16,7 +16,7 @@ import torch_hca as hca
 from torch_hca.spmd.cost_model import CACHE_FILE, cache_dir, cached_calibration, store_calibration
 
 FIGURES = {"launch_s": 2e-4, "alpha_s": 0.0, "bytes_per_s": 1.5e9, "flops_per_s": 9e10, "memory_bytes_per_s": 2e10, "sync_s": 1e-3,
-           "op_s": 7e-6, "call_s": 5e-4, "gather_bytes_per_s": 1.1e9, "scatter_bytes_per_s": 0.7e9,
+           "op_s": 7e-6, "call_s": 5e-4, "param_s": 4e-5, "gather_bytes_per_s": 1.1e9, "scatter_bytes_per_s": 0.7e9,
            "contention": 0.4}
 
 
@@ -93,7 +93,7 @@ def test_an_entry_with_bad_figures_is_ignored_with_a_warning(folder, figures):
 def test_an_entry_from_before_a_field_existed_takes_its_default(folder):
     store_calibration(FIGURES, 2, "gloo")
     data = json.loads((folder / CACHE_FILE).read_text())
-    later = ("call_s", "gather_bytes_per_s", "scatter_bytes_per_s", "contention")
+    later = ("call_s", "param_s", "gather_bytes_per_s", "scatter_bytes_per_s", "contention")
     for name in later:  # as stored before these existed
         del data["entries"][0]["figures"][name]
     (folder / CACHE_FILE).write_text(json.dumps(data))

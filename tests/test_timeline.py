@@ -192,6 +192,19 @@ def test_each_graph_call_pays_its_host_time_once_before_its_ops():
     assert close(t.total_s, 2e-3 + 3 * MM_S) and close(t.compute_s, t.total_s)
 
 
+def test_each_call_also_pays_its_host_time_per_parameter(fake_pg):
+    torch.manual_seed(0)
+    c = torch.compile(hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP()), backend="hca")
+    c(torch.randn(8, 16)).sum().backward()
+    rep = hca.report(c)
+    params = len(rep.graph.parameters)
+    assert params == len(list(zoo.MLP().parameters()))
+    hosted = CostModel(**{**cost_model("gloo").as_dict(), "call_s": 1e-3, "param_s": 1e-4})
+    calls = [e for e in rep.timeline(hosted).after.events if e.name == "call"]
+    assert [e.graph for e in calls] == [f"graph{rep.graph.index}.forward", f"graph{rep.graph.index}.backward"]
+    assert all(close(e.duration_s, 1e-3 + params * 1e-4) for e in calls)
+
+
 def test_a_graph_traced_under_the_fake_process_group(fake_pg):
     group = fake_pg.get_group().group_name
 

@@ -27,9 +27,13 @@ defaults are rough. This measures, on the current process group and device:
     (the transport's threads take compute's cores: nothing hides);
   * memory: a 16 MiB copy; op_s: a tiny 12-layer MLP's training step through
     AOTAutograd, run op by op as the eager emitter runs it, per op (median);
-  * ``call_s``: a tiny 6-layer MLP compiled by hca (replicated: no collective), its
-    training step's median less the timeline's estimate of its two graphs under the
-    figures above, per graph: Dynamo's guards, the runtime wrappers, the input check.
+  * ``call_s`` and ``param_s``: tiny MLPs of 6 and 24 layers (12 and 48 parameters)
+    compiled by hca (replicated: no collective), their training steps timed in turn
+    (gradients set to None first, as ``zero_grad()`` does), less their compiled
+    graphs' own median calls, per graph; the line through the two against the
+    parameter counts: its intercept is ``call_s`` (Dynamo's guards, the runtime
+    wrappers, the input check), its slope ``param_s`` (each DTensor parameter
+    unwrapped, its gradient wrapped and accumulated, Dynamo's guard on it).
 
 Ranks measure different numbers, and the solver must make the same choice on
 every rank, so rank 0's figures are broadcast and every rank returns them.
@@ -176,10 +180,14 @@ def _op_s(device: torch.device, repeats: int) -> float:
     return _median_s(step, max(repeats, 20)) / sum(ops)
 
 
-def _call_s(figures: dict[str, float], device: torch.device, repeats: int) -> float:
-    """Host seconds per call of a compiled graph beyond its ops: a tiny MLP compiled by hca
-    (replicated parameters and input: no collective), its training step's median less what
-    the timeline makes of its forward and backward graphs under `figures`, per graph."""
+def _host_s(figures: dict[str, float], device: torch.device, repeats: int) -> tuple[float, float]:
+    """(call_s, param_s): host seconds per call of a compiled graph beyond its own run, and per
+    DTensor parameter it reads. Two tiny MLPs compiled by hca, of 6 and 24 Linear(4, 4) layers
+    (replicated parameters and input: no collective), their training steps (gradients set to
+    None first, as ``zero_grad()`` does) timed in turn, each less its compiled forward's and
+    backward's own median calls (`CompileReport.measured`; on a CUDA mesh, which does not time
+    them, the timeline's estimate of the two under `figures`), per graph: the line through
+    the two against their parameter counts."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
 
@@ -187,19 +195,39 @@ def _call_s(figures: dict[str, float], device: torch.device, repeats: int) -> fl
     from .report import report
 
     mesh = current_mesh() or init_device_mesh(device.type, (dist.get_world_size(),))
-    model = torch.nn.Sequential(*(m for _ in range(6) for m in (torch.nn.Linear(4, 4, device=device), torch.nn.ReLU())))
-    compiled = torch.compile(sharded({}, mesh=mesh, inputs=Replicate(), outputs=Replicate())(model), backend="hca")
     x = torch.ones(2, 4, device=device)  # the same on every rank, as a Replicate() input must be
-    step = lambda: compiled(x).sum().backward()
-    step()  # compiles
-    measured = _median_s(step, max(repeats, 20))
-    try:
-        timeline = report(compiled).timeline(CostModel(**figures)).after
-    except HCAError as e:  # Dynamo ran it uncompiled (its recompile limit for sharded modules, say)
-        warnings.warn(f"hca.calibrate: call_s is 0: the probe module did not compile with hca ({e})", stacklevel=3)
-        return 0.0
-    graphs = len({e.graph for e in timeline.events})
-    return max(measured - timeline.total_s, 0.0) / max(graphs, 1)
+    steps, compiled = [], []
+    for layers in (6, 24):
+        model = torch.nn.Sequential(*(m for _ in range(layers)
+                                      for m in (torch.nn.Linear(4, 4, device=device), torch.nn.ReLU())))
+        c = torch.compile(sharded({}, mesh=mesh, inputs=Replicate(), outputs=Replicate())(model), backend="hca")
+
+        def step(c=c, model=model):
+            for p in model.parameters():
+                p.grad = None
+            c(x).sum().backward()
+
+        step()  # compiles
+        steps.append(step)
+        compiled.append(c)
+    measured = _typical_in_turn_s(steps, max(repeats, 20))
+    per_graph, params = [], []
+    for c, seconds in zip(compiled, measured):
+        try:
+            rep = report(c)
+            timeline = rep.timeline(CostModel(**figures)).after
+        except HCAError as e:  # Dynamo ran it uncompiled (its recompile limit for sharded modules, say)
+            warnings.warn(f"hca.calibrate: call_s and param_s are 0: a probe module did not compile with hca ({e})",
+                          stacklevel=3)
+            return 0.0, 0.0
+        try:
+            inside = rep.measured().measured_s
+        except HCAError:  # a CUDA mesh: its calls return before their kernels finish
+            inside = timeline.total_s
+        per_graph.append(max(seconds - inside, 0.0) / max(len({e.graph for e in timeline.events}), 1))
+        params.append(len(rep.graph.parameters))
+    param_s = max((per_graph[1] - per_graph[0]) / max(params[1] - params[0], 1), 0.0)
+    return max(per_graph[0] - param_s * params[0], 0.0), param_s
 
 
 def calibrate(repeats: int = 20, *, cache: bool = False, refresh: bool = False) -> dict[str, float]:
@@ -301,7 +329,7 @@ def _measure(repeats: int) -> dict[str, float]:
         "gather_bytes_per_s": rate(Kind.ALL_GATHER, big_gather_s),
         "scatter_bytes_per_s": rate(Kind.REDUCE_SCATTER, big_scatter_s),
     }
-    measured["call_s"] = _call_s(measured, device, repeats)
+    measured["call_s"], measured["param_s"] = _host_s(measured, device, repeats)
     figures = torch.tensor([measured[k] for k in FIELDS], dtype=torch.float64, device=device)
     dist.broadcast(figures, src=0)
     return dict(zip(FIELDS, (float(x) for x in figures.tolist())))

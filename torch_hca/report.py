@@ -323,20 +323,23 @@ class CompileReport:
         """
         from .timeline import estimate
 
-        before, after = [], []
+        before, after, params = [], [], {}
         for g in self.graphs:
             for which in ("forward", "backward"):
                 gm = getattr(g, which)
                 if gm is None:
                     continue
-                after.append((f"graph{g.index}.{which}", gm))
-                before.append((f"graph{g.index}.{which}", g.schedules.get(which, {}).get("before", gm)))
+                name = f"graph{g.index}.{which}"
+                after.append((name, gm))
+                before.append((name, g.schedules.get(which, {}).get("before", gm)))
+                params[name] = len(g.parameters)
         if not after:
             raise HCAError(
                 "hca.report(...).timeline(): no forward or backward graph was compiled (options inner='dtensor' "
                 "runs the DTensor program eagerly); compile with inner='eager' or 'inductor' to estimate a step"
             )
-        return StepTimelines(estimate(before, costs or self.cost_model()), estimate(after, costs or self.cost_model()))
+        costs = costs or self.cost_model()
+        return StepTimelines(estimate(before, costs, params=params), estimate(after, costs, params=params))
 
     def cost_model(self) -> CostModel:
         """The figures `timeline()` plays the graphs with by default: those the layout was solved
@@ -352,8 +355,8 @@ class CompileReport:
 
         Measured: the median wall time of each compiled forward and backward over its calls
         after the first (the last `CALLS_KEPT`), summed over the graphs. Predicted: the
-        scheduled timeline (`timeline().after`) less each graph's ``call_s``, the host work
-        around a call that the measure does not see. CPU meshes only: a CUDA call returns
+        scheduled timeline (`timeline().after`) less each graph's call event (``call_s`` and
+        ``param_s`` per parameter), the host work around a call that the measure does not see. CPU meshes only: a CUDA call returns
         before its kernels finish (use torch.profiler there).
         """
         timed = {(g.index, w): sorted(t) for g in self.graphs for w, t in g.call_times.items()

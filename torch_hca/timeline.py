@@ -20,7 +20,8 @@ The rules (a model, not a measurement; deterministic):
   (Python, FX, the dispatcher); placeholders, outputs and getitem take no
   time, views and ops that return no tensor only ``op_s``;
 * each graph starts with ``costs.call_s`` on the compute lane (event "call"):
-  the host time a call of a compiled graph costs beyond its ops;
+  the host time a call of a compiled graph costs beyond its ops, and
+  ``costs.param_s`` for each DTensor parameter it reads (``params``);
 * a collective is issued at the compute lane's current time and takes no
   compute time; it runs on its group's lane (``"comm:<group name>"``) from
   ``max(issue time, lane free)`` for ``costs.collective_s(kind, payload, n)``,
@@ -45,7 +46,7 @@ import json
 import operator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 import torch.fx as fx
@@ -189,9 +190,10 @@ def op_seconds(node: fx.Node, costs: CostModel) -> float:
 class _Player:
     """The clocks: the compute lane's time, each group lane's free time, each collective's end."""
 
-    def __init__(self, costs: CostModel, group_size: Callable[[str], int]):
+    def __init__(self, costs: CostModel, group_size: Callable[[str], int], params: Mapping[str, int]):
         self.costs = costs
         self.group_size = group_size
+        self.params = params
         self.sizes: dict[str, int] = {}
         self.now = 0.0
         self.work = 0.0  # compute-lane seconds at full speed
@@ -201,8 +203,9 @@ class _Player:
         self.events: list[Event] = []
 
     def play(self, graph: str, gm: fx.GraphModule) -> None:
-        if self.costs.call_s > 0:  # the host work of calling the graph, before its first op
-            self.run(Event(CALL, COMPUTE, self.now, self.now, "", graph), self.costs.call_s)
+        called = self.costs.call_s + self.costs.param_s * self.params.get(graph, 0)
+        if called > 0:  # the host work of calling the graph, before its first op
+            self.run(Event(CALL, COMPUTE, self.now, self.now, "", graph), called)
         for node in gm.graph.nodes:
             if node.op != "call_function":
                 continue
@@ -232,6 +235,8 @@ class _Player:
         collective runs. Collectives issued later start later, so the known ones suffice."""
         speed = 1.0 - self.costs.contention
         self.busy = [(s, e) for s, e in self.busy if e > start]
+        if speed == 1.0 or not self.busy:
+            return start + seconds
         t = start
         for s, e in _union(self.busy):
             if s > t:  # free until the next collective starts
@@ -264,9 +269,11 @@ def estimate(
     graphs: list[tuple[str, fx.GraphModule]],
     costs: CostModel,
     group_size: Callable[[str], int] = _torch_private.group_size,
+    params: Mapping[str, int] | None = None,
 ) -> Timeline:
-    """Play ``[(name, graph), ...]`` (e.g. forward then backward) on the lanes; see the module docstring."""
-    player = _Player(costs, group_size)
+    """Play ``[(name, graph), ...]`` (e.g. forward then backward) on the lanes; see the module
+    docstring. ``params``: the DTensor parameters each named graph reads (default none)."""
+    player = _Player(costs, group_size, params or {})
     for name, gm in graphs:
         player.play(name, gm)
     events = player.events

@@ -12,7 +12,10 @@ like the transfer; bucketing does not save it, so the bucket size ignores it). A
 ``max(flops / flops_per_s, bytes touched / memory_bytes_per_s)``, and the host
 ``op_s`` to issue it (Python, FX, the dispatcher: what a small op costs). Each call
 of a compiled graph also costs ``call_s`` of host time beyond its ops (Dynamo's
-guards, the runtime wrappers, the input check, the autograd engine's node).
+guards, the runtime wrappers, the input check, the autograd engine's node), and
+``param_s`` per DTensor parameter the graph reads (AOTAutograd unwraps each
+into its local tensor and wraps each gradient back into a DTensor, the autograd
+engine accumulates it, Dynamo guards it).
 
 The defaults are rough figures for the two transports torch_hca targets;
 calibrate them for a cluster with ``options={"cost_model": {...}}``. An all_gather and
@@ -29,6 +32,7 @@ own; the emitter runs one as an all_reduce, which sends twice the ring's bytes):
 | op_s               | 5e-6            | 5e-6        |
 | sync_s             | 0               | 0           |
 | call_s             | 0               | 0           |
+| param_s            | 0               | 0           |
 | gather_bytes_per_s | 0 (bytes_per_s) | 0           |
 | scatter_bytes_per_s| 0.5e9           | 0           |
 | contention         | 0               | 0           |
@@ -86,6 +90,7 @@ class CostModel:
     op_s: float = 5e-6  # host seconds to issue one op of the program
     sync_s: float = 0.0  # seconds a collective after compute waits for the slowest rank
     call_s: float = 0.0  # host seconds one call of a compiled graph costs beyond its ops
+    param_s: float = 0.0  # and per DTensor parameter it reads (unwrapped, its gradient wrapped and accumulated)
     # The all_gather's and reduce_scatter's own wire rates where the transport's differ from the
     # all_reduce's (0: bytes_per_s). gloo has no reduce-scatter: it runs as an all_reduce.
     gather_bytes_per_s: float = 0.0
@@ -194,7 +199,7 @@ def with_overrides(model: CostModel, overrides: Mapping[str, Any] | None) -> Cos
         raise OptionsError(f"options['cost_model']: unknown field(s) {unknown}; the fields are {sorted(fields)}")
     for key, value in overrides.items():
         # Latencies may be 0, and the kinds' own rates (0: bytes_per_s); other rates may not.
-        may_be_zero = key in ("launch_s", "alpha_s", "op_s", "sync_s", "call_s", "gather_bytes_per_s",
+        may_be_zero = key in ("launch_s", "alpha_s", "op_s", "sync_s", "call_s", "param_s", "gather_bytes_per_s",
                               "scatter_bytes_per_s", "contention")
         if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
                 or value < 0 or (value == 0 and not may_be_zero)):
