@@ -39,7 +39,7 @@ own; the emitter runs one as an all_reduce, which sends twice the ring's bytes):
 
 ``contention`` is for the timeline: while a collective runs, compute runs at
 ``1 - contention`` of its speed (`torch_hca.timeline`). Calibration measures it:
-0.35 to 0.48 on a 2-core VM with two gloo ranks of one thread each.
+0.35 to 0.76 between runs on a 2-core VM with two gloo ranks of one thread each.
 
 Figures measured once per machine are kept on disk: ``hca.calibrate(cache=True)``
 (or ``python -m torch_hca calibrate``) stores them in ``calibration.json`` under
