@@ -137,16 +137,13 @@ class Tuned:
         every rank are one program: timing them against each other would time noise."""
         digests = [CompileReport([c.report]).program_digest() for c in self.candidates]
         by_rank = _by_rank("tune-programs", [c.label for c in self.candidates], digests, self.report.index, str)
-        merged: list[Candidate] = []
+        first: dict[tuple[str, ...], Candidate] = {}  # every rank's digest -> the first candidate emitting it
         for i, c in enumerate(self.candidates):
-            same = next((m for m in merged
-                         if all(d[i] == d[self.candidates.index(m)] for d in by_rank.values())), None)
-            if same is None:
-                merged.append(c)
-                continue
-            same.same_as += [c.label, *c.same_as]
-            c.report.dropped = f"layout='tune': the same program as graph {same.report.index} ({same.label})"
-        self.candidates = merged
+            same = first.setdefault(tuple(d[i] for d in by_rank.values()), c)
+            if same is not c:
+                same.same_as += [c.label, *c.same_as]
+                c.report.dropped = f"layout='tune': the same program as graph {same.report.index} ({same.label})"
+        self.candidates = list(first.values())
 
     def _record(self, slowest: list[float]) -> None:
         """The kept program's report lists every candidate's time; the others' are dropped."""

@@ -356,8 +356,8 @@ class CompileReport:
         Measured: the median wall time of each compiled forward and backward over its calls
         after the first (the last `CALLS_KEPT`), summed over the graphs. Predicted: the
         scheduled timeline (`timeline().after`) less each graph's call event (``call_s`` and
-        ``param_s`` per parameter), the host work around a call that the measure does not see. CPU meshes only: a CUDA call returns
-        before its kernels finish (use torch.profiler there).
+        ``param_s`` per parameter), the host work around a call that the measure does not see.
+        CPU meshes only: a CUDA call returns before its kernels finish (use torch.profiler there).
         """
         timed = {(g.index, w): sorted(t) for g in self.graphs for w, t in g.call_times.items()
                  if getattr(g, w) is not None}
