@@ -146,6 +146,17 @@ def test_timed_steps_come_in_rounds_and_each_model_has_a_regret(run):
     assert stdout.count("for forward + backward (the step's ") == len(MODELS)
     # ... and inside the compiled graphs alone, from hca.report(c).measured().
     assert stdout.count("; inside the compiled graphs ") == len(MODELS)
+    # Every model's targets, read in both rounds.
+    from torch_hca.tools.bench_targets import targets
+
+    assert "\n== targets: " in stdout
+    checked = targets(records)
+    assert checked and all(len(t["rounds"]) == 2 for t in checked)
+    for model in MODELS:
+        assert {f"{model}: hca regret", f"{model}: hca predicted step, |error|", f"{model}: hca_inductor / hca"} <= \
+            {t["target"] for t in checked}
+    assert {"tt: hca / single_inductor", "tt: hca_inductor / expert_inductor", "dp: hca / ddp"} <= \
+        {t["target"] for t in checked}
     for r in records:
         if r["contestant"] == "hca":
             m = r["graphs_measured"]
@@ -266,3 +277,46 @@ def test_hca_dp_keeps_the_plans_storage_and_hca_dp_replicated_does_not(fake_pg):
                                          if isinstance(p, DTensor) and not all(q.is_replicate() for q in p.placements)} == planned
         assert not any(isinstance(p, DTensor) and not all(q.is_replicate() for q in p.placements)
                        for p in build(spec, "hca_dp_replicated", ref, fake_pg, {}).model.parameters())
+
+
+def test_merge_keeps_each_rounds_slowest_rank():
+    from torch_hca.tools.bench_run import merge
+
+    rank = lambda rounds, median: [{"model": "dp", "contestant": "ddp", "step_time_s": median,
+                                    "round_step_times_s": rounds}]
+    (rec,) = merge([rank([1.0, 3.0], 2.0), rank([2.0, 2.5], 2.2)])
+    assert rec["round_step_times_s"] == [2.0, 3.0] and rec["step_time_s"] == 2.2
+
+
+def test_targets_are_read_overall_and_in_each_round():
+    from torch_hca.tools.bench_targets import targets, targets_table
+
+    rec = lambda who, rounds, **kw: {"model": "dp", "contestant": who, "step_time_s": sorted(rounds)[1],
+                                     "round_step_times_s": rounds, **kw}
+    records = [
+        rec("hca", [8.0, 9.5, 8.5], regret=0.8, regret_same_program=["hca_dtensor_layout"], est_step_s=7.0,
+            optimizer_time_s=1.0),
+        rec("hca_dtensor_layout", [7.0, 7.0, 7.0]),  # hca's own program: counts at hca's time
+        rec("hca_dp", [10.0, 9.0, 10.0]),
+        rec("hca_inductor", [9.0, 9.0, 9.0]),
+        rec("ddp", [10.0, 10.0, 10.0]),
+        {"model": "dp", "contestant": "single_inductor", "failed": "RuntimeError", "step_time_s": None},
+    ]
+    got = {t["target"]: t for t in targets(records)}
+    # hca / ddp: 0.85 overall; 0.80, 0.95, 0.85 by round.
+    hca_ddp = got["dp: hca / ddp"]
+    assert hca_ddp["value"] == pytest.approx(0.85) and hca_ddp["rounds"] == pytest.approx([0.8, 0.95, 0.85])
+    assert hca_ddp["verdict"] == "met overall, 2 of 3 rounds"
+    assert got["dp: hca_inductor / ddp"]["verdict"] == "met"
+    assert got["dp: hca_inductor / hca"]["verdict"] == "not met (1 of 3 rounds)"
+    # Regret by round: hca_dp is the only other program; hca's own counts at hca's time (9.5 / 9.0).
+    regret = got["dp: hca regret"]
+    assert regret["value"] == 0.8 and regret["rounds"] == pytest.approx([1.0, 9.5 / 9.0, 1.0])
+    assert regret["verdict"] == "met overall, 2 of 3 rounds"
+    # The prediction against the step less its optimizer: 7 / (8.5 - 1) overall.
+    pred = got["dp: hca predicted step, |error|"]
+    assert pred["value"] == pytest.approx(abs(7.0 / 7.5 - 1)) and pred["verdict"] == "met"
+    assert not [t for t in got if "single_inductor" in t or t.startswith("tt")]  # failed or absent: not checked
+    table = targets_table(records)
+    assert table[0].startswith("== targets: 2 of 5 met in every round")
+    assert any(line.startswith("dp: hca / ddp") and "0.80 0.95 0.85" in line for line in table)

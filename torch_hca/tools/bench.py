@@ -34,7 +34,8 @@ burst of load on a shared machine falls on all of them alike.
 
 The command is `main`; the parts live next to it: the models and contestants
 (`bench_models`), running and measuring them on the ranks (`bench_run`), the
---profile breakdown (`bench_profile`) and the tables (`bench_tables`).
+--profile breakdown (`bench_profile`), the speed targets read overall and
+round by round (`bench_targets`) and the tables (`bench_tables`).
 """
 
 from __future__ import annotations

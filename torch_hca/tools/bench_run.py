@@ -299,6 +299,10 @@ def merge(per_rank: list) -> list:
                     "optimizer_time_s"):
             vals = [r[i][key] for r in per_rank if r[i].get(key) is not None]
             rec[key] = max(vals) if vals else None
+        # Each round's median, slowest rank: what the targets read round by round.
+        rounds = [r[i].get("round_step_times_s") or [] for r in per_rank]
+        if rounds[0]:
+            rec["round_step_times_s"] = [max(ts) for ts in zip(*rounds)]
         merged.append(rec)
     for model in dict.fromkeys(r["model"] for r in merged):
         rows = [r for r in merged if r["model"] == model]

@@ -1,10 +1,11 @@
 """The bench's tables: one per model (with the fewest-bytes and regret lines), the
-schedule on/off table, the --profile breakdown table, and the footnotes that say how
+targets table (`bench_targets`), the schedule on/off table, the --profile breakdown table, and the footnotes that say how
 each column is measured."""
 
 from __future__ import annotations
 
 from .bench_profile import BREAKDOWN
+from .bench_targets import targets_table
 
 
 def _fmt_bytes(b) -> str:
@@ -211,6 +212,6 @@ def tables(records: list) -> str:
         lines += _aligned([_HEAD] + [_row(r, amin, mark) for r in rows]) + _wrong_gradients_line(rows)
         lines += _fewest_bytes(rows) + _regret_line(rows) + _prediction_line(rows)
         lines.append("")
-    lines += _schedule_table(records) + _profile_table(records)
+    lines += targets_table(records) + _schedule_table(records) + _profile_table(records)
     lines += [f"[{i + 1}] {t}" for i, t in enumerate(FOOTNOTES + foot)]
     return "\n".join(lines)
