@@ -213,6 +213,29 @@ def inference_and_batch_sizes(case_name: str, dynamic: bool | None) -> dict[str,
     return result
 
 
+def rows_as_views(case_name: str) -> dict[str, Any]:
+    """Each rank passes its rows of the global batch as a view (``x.chunk(n)[rank]``, at a
+    storage offset on every rank but rank 0), then a smaller last batch: Dynamo recompiles with
+    a dynamic batch size and passes the offset as a graph input on those ranks alone."""
+    case = CASES[case_name]
+    _, ref, model, compiled = setup(case)
+    n, rank = dist.get_world_size(), dist.get_rank()
+    result: dict[str, Any] = {"graphs": []}
+    for batch in (4 * n, 3 * n):
+        x = torch.randn(batch, *case.x_shape[1:])  # the same on every rank: the seed is
+        model.zero_grad()
+        ref.zero_grad()
+        out = compiled(x.chunk(n)[rank])
+        loss_of(out).backward()
+        loss_of(ref(x)).backward()
+        result[f"out_err_{batch // n}"] = rel_err(out, ref(x).chunk(n)[rank])
+        result[f"grad_err_{batch // n}"] = max(grad_errors(model, ref).values())
+        g = hca.report(compiled).graph
+        result["graphs"].append({"index": g.index, "collectives": sorted(
+            (c.direction, c.kind, str(c.bytes)) for c in g.collectives)})
+    return result
+
+
 def inner(name: str) -> dict[str, Any]:
     """One training step of the transformer block under options={"inner": name}."""
     case = CASES["mlp" if name == "inductor" else "block"]

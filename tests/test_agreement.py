@@ -76,3 +76,36 @@ def test_divergent_plans_are_named_inside_hca_sharded(worlds):
     assert "different plans" in message and "'fc1.weight'" in message
     assert "(Shard(dim=0),)" in message and "(Shard(dim=1),)" in message
     assert max(r["seconds"] for r in results) < 10  # not the launch timeout
+
+
+def test_the_program_digest_reads_past_an_unused_storage_offset():
+    """Under dynamic shapes a view at a nonzero offset (``x.chunk(n)[rank]`` on rank 1) brings
+    its offset as a graph input that rank 0's graph lacks; the programs are the same."""
+    import torch
+
+    from torch_hca.agreement import program_digest
+
+    graphs = []
+
+    def backend(gm, example_inputs):  # Dynamo drops the graph inputs' records after the backend returns
+        graphs.append((gm.code, program_digest(gm)))
+        return gm.forward
+
+    def trace(start: int):  # a second size makes Dynamo recompile with dynamic shapes
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x: x * 2, backend=backend)
+        rows = torch.ones(100, 4)
+        compiled(rows[start:start + 10])
+        compiled(rows[2 * start:2 * start + 15])
+        torch._dynamo.reset()
+        return graphs[-1]
+
+    at_zero, at_offset = trace(0), trace(10)
+    assert "storage_offset" not in at_zero[0] and at_zero[0].count("SymInt") + 1 == at_offset[0].count("SymInt")
+    assert at_zero[1] == at_offset[1]
+    torch._dynamo.reset()
+    other = torch.compile(lambda x: x * 3, backend=backend)
+    other(torch.ones(10, 4))
+    other(torch.ones(15, 4))
+    torch._dynamo.reset()
+    assert graphs[-1][1] != at_zero[1]

@@ -296,6 +296,26 @@ def test_graph_arg_source_and_python_scalars():
     assert seen[-1] == (["L['x']", "L['scale']"], [False, True])
 
 
+def test_graph_arg_is_tensor_property_for_a_views_size_and_offset():
+    seen = []
+
+    def backend(gm, example_inputs):
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        seen.append([(tp.graph_arg_source(n), tp.graph_arg_is_tensor_property(n), tp.graph_arg_is_python_scalar(n))
+                     for n in placeholders])
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, n: x * n, backend=backend)
+    rows = torch.ones(100, 4)
+    compiled(rows[10:20], 3)
+    compiled(rows[30:45], 4)  # another size and offset: both dynamic; an int that changed: a SymInt
+    torch._dynamo.reset()
+    # Dynamo's order of the inputs: whatever it is, each is named and classified.
+    assert sorted(seen[-1]) == sorted([("L['x']", False, False), ("L['x'].size()[0]", True, False),
+                                       ("L['x'].storage_offset()", True, False), ("L['n']", False, True)])
+
+
 def test_group_members(fake_pg):
     world = dist.group.WORLD.group_name
     assert tp.group_members(world) == [0, 1, 2, 3]

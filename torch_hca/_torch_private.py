@@ -80,9 +80,21 @@ def graph_arg_source(placeholder: fx.Node) -> str:
 def graph_arg_is_python_scalar(placeholder: fx.Node) -> bool:
     """Whether Dynamo passes a Python number the user gave as this graph input (a SymInt, or a float as a 0-d tensor)."""
     grapharg = placeholder.meta.get("grapharg")
-    if grapharg is None:
+    if grapharg is None or graph_arg_is_tensor_property(placeholder):
         return False
     return bool(getattr(grapharg, "pass_arg_as_tensor", False)) or not getattr(grapharg, "is_tensor", True)
+
+
+def graph_arg_is_tensor_property(placeholder: fx.Node) -> bool:
+    """Whether Dynamo passes a size, stride or storage offset of a tensor input as this graph
+    input (a SymInt under dynamic shapes), not a value the user gave.
+
+    A view's storage offset becomes one where it is not 0: ``x.chunk(n)[rank]`` is at offset
+    0 on rank 0 only, so under dynamic shapes the ranks' graphs differ by that input alone.
+    """
+    from torch._dynamo.source import TensorPropertySource
+
+    return isinstance(getattr(placeholder.meta.get("grapharg"), "source", None), TensorPropertySource)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from ._torch_private import graph_arg_example, graph_arg_is_python_scalar, graph_arg_source
+from ._torch_private import graph_arg_example, graph_arg_is_python_scalar, graph_arg_is_tensor_property, graph_arg_source
 from .errors import CheckError
 from .exchange import needs_exchange, post
 from .logical import ENTER, decode, mesh_of
@@ -80,12 +80,27 @@ def graph_inputs(gm: fx.GraphModule) -> tuple[list[Input], Any]:
 
 
 def program_digest(gm: fx.GraphModule) -> str:
-    """A digest of the graph's code and tensor constants: equal on ranks that traced the same program."""
-    h = hashlib.blake2b(gm.code.encode(), digest_size=8)
+    """A digest of the graph's code and tensor constants: equal on ranks that traced the same program.
+
+    The code is read without the size and offset inputs the program never uses: under dynamic
+    shapes Dynamo passes a view's nonzero storage offset as one (``x.chunk(n)[rank]``: on every
+    rank but rank 0), and the program is the same without it."""
+    h = hashlib.blake2b(_code_without_unused_sizes(gm).encode(), digest_size=8)
     for name, buf in sorted(list(gm.named_buffers()) + list(gm.named_parameters())):
         h.update(name.encode())
         h.update(_bytes_digest(buf).encode())
     return h.hexdigest()
+
+
+def _code_without_unused_sizes(gm: fx.GraphModule) -> str:
+    unused = [n for n in gm.graph.find_nodes(op="placeholder") if not n.users and graph_arg_is_tensor_property(n)]
+    if not unused:
+        return gm.code
+    graph, copies = fx.Graph(), {}
+    graph.output(graph.graph_copy(gm.graph, copies))
+    for node in unused:
+        graph.erase_node(copies[node])
+    return graph.python_code("self").src
 
 
 def _bytes_digest(t: torch.Tensor) -> str:
