@@ -84,3 +84,16 @@ def rank_listeners_after_collective() -> list[str]:
 def mesh_backend() -> str:
     mesh = hca.init_mesh()
     return f"{dist.get_backend()} {mesh.device_type} {tuple(mesh.shape)}"
+
+
+def rss_drop_after_freeing_64_mib() -> int:
+    """Bytes this process's resident set shrinks by when a 64 MiB tensor is freed: about 64 MiB
+    where the C allocator hands the block back to the kernel, about 0 where it keeps it."""
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    t = torch.ones(16 * 2**20)  # every page touched
+    held = rss()
+    del t
+    return held - rss()

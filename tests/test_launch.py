@@ -63,3 +63,32 @@ def test_run_calls_fn_in_this_process_under_torchrun(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     hca.run(lambda *a: calls.append(a), 2, "x")  # no ranks started: torchrun already made this one
     assert calls == [("x",)]
+
+
+_MIB = 2**20
+# A fresh process: glibc's defaults, then keep_freed_memory() where asked.
+_FRESH = ("import sys, launch_cases\nfrom torch_hca.launch import keep_freed_memory\n"
+          "applied = keep_freed_memory() if sys.argv[1] == 'keep' else False\n"
+          "print(applied, launch_cases.rss_drop_after_freeing_64_mib())")
+
+
+def _fresh_process(mode: str, **env: str) -> tuple[bool, int]:
+    import subprocess
+    import sys
+
+    here = os.path.dirname(__file__)
+    out = subprocess.run([sys.executable, "-c", _FRESH, mode], capture_output=True, text=True, check=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", ""), **env})
+    applied, drop = out.stdout.split()
+    return applied == "True", int(drop)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set from Linux's /proc")
+def test_ranks_keep_the_memory_a_step_frees(worlds):
+    # glibc's default hands a 64 MiB block back on free; a rank keeps it for the next step.
+    applied, drop = _fresh_process("default")
+    assert not applied and drop > 48 * _MIB
+    assert all(d < 16 * _MIB for d in worlds(2).run(launch_cases.rss_drop_after_freeing_64_mib))
+    # A user who set glibc's malloc variables keeps their choice.
+    applied, drop = _fresh_process("keep", MALLOC_TRIM_THRESHOLD_="131072")
+    assert not applied and drop > 48 * _MIB
