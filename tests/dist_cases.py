@@ -236,6 +236,32 @@ def rows_as_views(case_name: str) -> dict[str, Any]:
     return result
 
 
+def trainer_habits(case_name: str, max_norm: float = 0.5) -> dict[str, Any]:
+    """A step as trainers write one: ``clip_grad_norm_`` over the DTensor gradients (of mixed
+    placements under Megatron storage), then a forward under bf16 autocast; each against
+    one device doing the same."""
+    case = CASES[case_name]
+    mesh, ref, model, compiled = setup(case)
+    x = torch.randn(case.x_shape)
+    loss_of(compiled(local_piece(x, mesh, case.inputs))).backward()
+    loss_of(ref(x)).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    result: dict[str, Any] = {"norm": ref_norm.item(), "norm_err": rel_err(norm, ref_norm),
+                              "clipped_grad_err": max(grad_errors(model, ref).values())}
+    model.zero_grad()
+    ref.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = compiled(local_piece(x, mesh, case.inputs))
+        ref_out = ref(x)
+    loss_of(out.float()).backward()
+    loss_of(ref_out.float()).backward()
+    result.update(bf16_dtype=str(out.dtype), bf16_out_err=rel_err(full(out.float(), mesh, case.outputs), ref_out.float()),
+                  bf16_grad_err=max(grad_errors(model, ref).values()))
+    return result
+
+
 def inner(name: str) -> dict[str, Any]:
     """One training step of the transformer block under options={"inner": name}."""
     case = CASES["mlp" if name == "inductor" else "block"]
@@ -394,10 +420,11 @@ class OneConv(nn.Module):
         return self.conv(x)
 
 
-def conv_data_parallel(trust_dtensor_conv_rule: bool) -> dict[str, Any]:
+def conv_data_parallel(trust_dtensor_conv_rule: bool, bf16: bool = False) -> dict[str, Any]:
     """A data-parallel conv against one device; optionally trusting DTensor's conv rule with
     Partial inputs (the solver then reads the weight and bias as summands and each rank
-    computes conv(x, W/n) + b/n), to show the refinement check stops that program."""
+    computes conv(x, W/n) + b/n), to show the refinement check stops that program; `bf16`:
+    both under bf16 autocast, where the check's tolerance is bf16's."""
     from torch_hca import layout_candidates
     from torch_hca.errors import CheckError
 
@@ -408,12 +435,15 @@ def conv_data_parallel(trust_dtensor_conv_rule: bool) -> dict[str, Any]:
         case = Case(OneConv, {}, lambda ws: ((ws,), ("dp",)), Shard(0), Shard(0), (4, 3, 8, 8))
         mesh, ref, model, compiled = setup(case)
         x = torch.randn(case.x_shape)
-        try:
-            out = compiled(local_piece(x, mesh, case.inputs))
-        except CheckError as e:
-            return {"check_error": str(e)}
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            try:
+                out = compiled(local_piece(x, mesh, case.inputs))
+            except CheckError as e:
+                return {"check_error": str(e)}
+            want = ref(x)
         reads = [row["reads"] for g in hca.report(compiled).graphs for row in g.layout.get("values", []) if row["reads"]]
-        return {"out_err": rel_err(full(out, mesh, case.outputs), ref(x)), "reads": reads}
+        return {"out_err": rel_err(full(out.float(), mesh, case.outputs), want.float()), "reads": reads,
+                "dtype": str(out.dtype)}
     finally:
         layout_candidates.PARTIAL_OK.discard("conv2d")
         layout_candidates.BATCH_SPLIT_ONLY.add("conv2d")

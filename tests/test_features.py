@@ -7,6 +7,8 @@ import pytest
 import dist_cases
 
 TOL = 1e-5
+# bf16 keeps 8 bits of mantissa: one device and the ranks round partial sums differently.
+BF16_TOL = 3e-2
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -68,6 +70,16 @@ def test_rows_passed_as_views_then_a_smaller_last_batch(worlds, world_size, case
     assert all(x["graphs"] == r["graphs"] for x in results)
 
 
+@pytest.mark.parametrize("case", ["mlp", "fsdp"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gradient_clipping_and_bf16_autocast(worlds, world_size, case):
+    r = worlds(world_size).run(dist_cases.trainer_habits, case)[0]
+    assert r["norm"] > 0.5, "the gradients must be clipped for the test to check the clipping"
+    assert r["norm_err"] <= TOL and r["clipped_grad_err"] <= TOL
+    assert r["bf16_dtype"] == "torch.bfloat16"
+    assert r["bf16_out_err"] <= BF16_TOL and r["bf16_grad_err"] <= BF16_TOL
+
+
 def test_inner_dtensor_runs_the_dtensor_program(worlds):
     r = worlds(2).run(dist_cases.inner, "dtensor")[0]
     assert r["out_err"] <= TOL and r["grad_err"] <= TOL
@@ -82,14 +94,18 @@ def test_inner_inductor(worlds):
     assert r["has_c10d_graphs"]
 
 
+@pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("trust", [False, True])
-def test_conv_partial_reads_are_never_offered_and_the_check_stops_them(worlds, trust):
+def test_conv_partial_reads_are_never_offered_and_the_check_stops_them(worlds, trust, bf16):
     """DTensor's conv rule says conv(x, W as P, b as P) is P: each rank computes conv(x, W/n) + b/n,
     and the sum is wrong. The solver never offers Partial reads to ops outside PARTIAL_OK; if it
-    did (trust=True, the behaviour before), the refinement check raises on the first call."""
-    r = worlds(2).run(dist_cases.conv_data_parallel, trust)[0]
+    did (trust=True, the behaviour before), the refinement check raises on the first call, under
+    bf16 autocast too (whose rounding the check tolerates: a right program passes it)."""
+    r = worlds(2).run(dist_cases.conv_data_parallel, trust, bf16)[0]
     if trust:
         assert "output 0" in r["check_error"] and "differs from the single-device program" in r["check_error"]
+        assert ("the tolerance of its lowest-precision values" in r["check_error"]) == bf16
     else:
-        assert r["out_err"] <= TOL
+        assert r["dtype"] == ("torch.bfloat16" if bf16 else "torch.float32")
+        assert r["out_err"] <= (BF16_TOL if bf16 else TOL)
         assert r["reads"] and all("P" not in layout for row in r["reads"] for layout in row)
