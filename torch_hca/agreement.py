@@ -93,13 +93,12 @@ def program_digest(gm: fx.GraphModule) -> str:
 
 
 def _code_without_unused_sizes(gm: fx.GraphModule) -> str:
-    unused = [n for n in gm.graph.find_nodes(op="placeholder") if not n.users and graph_arg_is_tensor_property(n)]
-    if not unused:
-        return gm.code
+    # Every rank's code comes from a copy, unused inputs or not, so all are written the same way.
     graph, copies = fx.Graph(), {}
     graph.output(graph.graph_copy(gm.graph, copies))
-    for node in unused:
-        graph.erase_node(copies[node])
+    for node in gm.graph.find_nodes(op="placeholder"):
+        if not node.users and graph_arg_is_tensor_property(node):
+            graph.erase_node(copies[node])
     return graph.python_code("self").src
 
 

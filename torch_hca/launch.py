@@ -392,10 +392,9 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float | 
 
     Under torchrun (``RANK`` is set) this process is one rank: call ``fn`` here
     (keeping freed memory, as `launch`'s ranks do), then close the process group
-    once every rank is done. Otherwise start
-    `world_size` local gloo ranks with `launch`. ``timeout_s`` (default 300) is
-    how long a rank waits for its peers, as in `launch`; there is no limit on
-    the job's length.
+    once every rank is done. Otherwise start `world_size` local gloo ranks with
+    `launch`. ``timeout_s`` (default 300) is how long a rank waits for its
+    peers, as in `launch`; there is no limit on the job's length.
     """
     if timeout_s is not None:
         timeout_s = check_timeout(timeout_s, "hca.run(timeout_s=...)")

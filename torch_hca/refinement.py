@@ -14,8 +14,9 @@ rank) back through both. Each output and each gradient is compared globally
 (pieces gathered); the first one beyond tolerance is a `CheckError` naming it
 and its layout. The tolerance is fp32's, or the precision of the lowest float
 type the program computes in (bf16 under ``torch.autocast``, say): the two
-programs add partial sums in different orders, and the rounding follows the type. Mutated inputs (buffers' running statistics) are
-restored afterwards, so the real step that follows sees them untouched.
+programs add partial sums in different orders, and the rounding follows the
+type. Mutated inputs (buffers' running statistics) are restored afterwards, so
+the real step that follows sees them untouched.
 """
 
 from __future__ import annotations
