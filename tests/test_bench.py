@@ -289,7 +289,8 @@ def test_merge_keeps_each_rounds_slowest_rank():
 
 
 def test_targets_are_read_overall_and_in_each_round():
-    from torch_hca.tools.bench_targets import targets, targets_table
+    from torch_hca.tools.bench_tables import targets_table
+    from torch_hca.tools.bench_targets import targets
 
     rec = lambda who, rounds, **kw: {"model": "dp", "contestant": who, "step_time_s": sorted(rounds)[1],
                                      "round_step_times_s": rounds, **kw}

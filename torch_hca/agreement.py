@@ -34,7 +34,8 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from ._torch_private import graph_arg_example, graph_arg_is_python_scalar, graph_arg_is_tensor_property, graph_arg_source
+from ._torch_private import (graph_arg_example, graph_arg_is_python_scalar, graph_arg_is_tensor_property,
+                             graph_arg_source)
 from .errors import CheckError
 from .exchange import needs_exchange, post
 from .logical import ENTER, decode, mesh_of

@@ -215,7 +215,6 @@ def _host_s(figures: dict[str, float], device: torch.device, repeats: int) -> tu
     for c, seconds in zip(compiled, measured):
         try:
             rep = report(c)
-            timeline = rep.timeline(CostModel(**figures)).after
         except HCAError as e:  # Dynamo ran it uncompiled (its recompile limit for sharded modules, say)
             warnings.warn(f"hca.calibrate: call_s and param_s are 0: a probe module did not compile with hca ({e})",
                           stacklevel=3)
@@ -223,8 +222,9 @@ def _host_s(figures: dict[str, float], device: torch.device, repeats: int) -> tu
         try:
             inside = rep.measured().measured_s
         except HCAError:  # a CUDA mesh: its calls return before their kernels finish
-            inside = timeline.total_s
-        per_graph.append(max(seconds - inside, 0.0) / max(len({e.graph for e in timeline.events}), 1))
+            inside = rep.timeline(CostModel(**figures)).after.total_s
+        graphs = sum(gm is not None for g in rep.graphs for gm in (g.forward, g.backward))
+        per_graph.append(max(seconds - inside, 0.0) / max(graphs, 1))
         params.append(len(rep.graph.parameters))
     param_s = max((per_graph[1] - per_graph[0]) / max(params[1] - params[0], 1), 0.0)
     return max(per_graph[0] - param_s * params[0], 0.0), param_s

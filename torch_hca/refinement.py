@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
 from .errors import CheckError
 from .plan import parameter_name
@@ -54,15 +55,9 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
 
 def tolerance(program: fx.GraphModule) -> float:
     """`TOLERANCE`, or `EPSILONS` of the least precise float type among the program's values."""
-    eps = [torch.finfo(t.dtype).eps for node in program.graph.nodes
-           for t in _tensors(node.meta.get("example_value", node.meta.get("val"))) if t.is_floating_point()]
+    values = tree_leaves([node.meta.get("example_value", node.meta.get("val")) for node in program.graph.nodes])
+    eps = [torch.finfo(t.dtype).eps for t in values if isinstance(t, torch.Tensor) and t.is_floating_point()]
     return max([TOLERANCE, *(EPSILONS * e for e in eps)])
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    return [t for v in value for t in _tensors(v)] if isinstance(value, (tuple, list)) else []
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

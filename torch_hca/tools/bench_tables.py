@@ -1,11 +1,11 @@
 """The bench's tables: one per model (with the fewest-bytes and regret lines), the
-targets table (`bench_targets`), the schedule on/off table, the --profile breakdown table, and the footnotes that say how
-each column is measured."""
+targets table (`bench_targets`), the schedule on/off table, the --profile breakdown
+table, and the footnotes that say how each column is measured."""
 
 from __future__ import annotations
 
 from .bench_profile import BREAKDOWN
-from .bench_targets import targets_table
+from .bench_targets import targets
 
 
 def _fmt_bytes(b) -> str:
@@ -142,6 +142,19 @@ def _predicted_row(r: dict) -> tuple:
     share = lambda s: f"{1e3 * s:.2f} ({100 * s / total:.0f}%)"
     return (r["model"], "hca (predicted)", f"{1e3 * total:.2f}", share(compute), share(total - compute),
             "(in compute)", "(not modelled)")
+
+
+def targets_table(records: list) -> list[str]:
+    """The speed targets (`bench_targets`): overall, each round's value, the verdict."""
+    checked = targets(records)
+    if not checked:
+        return []
+    table = [("target", "overall", "goal", "each round", "verdict")]
+    table += [(t["target"], f"{t['value']:.2f}", t["rule"], " ".join(f"{v:.2f}" for v in t["rounds"]), t["verdict"])
+              for t in checked]
+    met = sum(t["verdict"] == "met" for t in checked)
+    return [f"== targets: {met} of {len(checked)} met in every round (ratios of step times in this run; "
+            "each round's from its medians, slowest rank) ==", *_aligned(table), ""]
 
 
 def _schedule_table(records: list) -> list[str]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .bench_models import ALTERNATIVES
+from .bench_run import _regret
 
 
 @dataclass(frozen=True)
@@ -74,17 +74,20 @@ def _ratio_rows(rows: dict[str, dict], model: str) -> list[dict]:
 
 
 def _regret_rows(rows: dict[str, dict], model: str) -> list[dict]:
-    """hca's regret (`bench_run._regret`) overall and in each round: an alternative that emits
-    hca's own program counts at hca's time, in every round as overall."""
+    """hca's regret (`bench_run._regret`) overall, and in each round from that round's medians
+    (the alternatives that emitted hca's own program, as the overall regret found them, count
+    at hca's time there too)."""
     hca = rows.get("hca")
     if not _ok(hca) or hca.get("regret") is None:
         return []
-    same = set(hca.get("regret_same_program") or [])
-    alts = [rows[c] for c in ALTERNATIVES if c in rows and c not in same and _ok(rows[c])]
+    same = {"hca", *(hca.get("regret_same_program") or [])}
     rounds = []
-    for i, t in enumerate(_rounds(hca)):
-        others = [_rounds(a)[i] for a in alts if i < len(_rounds(a))]
-        rounds.append(t / min([t, *others]) if same else (t / min(others) if others else 1.0))
+    for i in range(len(_rounds(hca))):
+        at = [{**r, "step_time_s": _rounds(r)[i],
+               "program_sha1": "hca" if r["contestant"] in same else r.get("program_sha1")}
+              for r in rows.values() if _ok(r) and i < len(_rounds(r))]
+        regret = _regret(next(r for r in at if r["contestant"] == "hca"), at)["regret"]
+        rounds.append(1.0 if regret is None else regret)
     return [_row(f"{model}: hca regret", hca["regret"], rounds, REGRET_BOUND, f"<= {REGRET_BOUND:g}")]
 
 
@@ -106,18 +109,3 @@ def targets(records: list) -> list[dict]:
         rows = {r["contestant"]: r for r in records if r["model"] == model}
         out += _ratio_rows(rows, model) + _regret_rows(rows, model) + _prediction_rows(rows, model)
     return out
-
-
-def targets_table(records: list) -> list[str]:
-    checked = targets(records)
-    if not checked:
-        return []
-    table = [("target", "overall", "goal", "each round", "verdict")]
-    for t in checked:
-        table.append((t["target"], f"{t['value']:.2f}", t["rule"], " ".join(f"{v:.2f}" for v in t["rounds"]),
-                      t["verdict"]))
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    met = sum(t["verdict"] == "met" for t in checked)
-    return [f"== targets: {met} of {len(checked)} met in every round (ratios of step times in this run; "
-            "each round's from its medians, slowest rank) ==",
-            *("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in table), ""]
