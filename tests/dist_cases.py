@@ -233,6 +233,7 @@ def rows_as_views(case_name: str) -> dict[str, Any]:
         g = hca.report(compiled).graph
         result["graphs"].append({"index": g.index, "collectives": sorted(
             (c.direction, c.kind, str(c.bytes)) for c in g.collectives)})
+    result["table"] = hca.report(compiled).table()  # symbolic byte counts in the dynamic graph's rows
     return result
 
 

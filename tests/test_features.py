@@ -67,6 +67,8 @@ def test_rows_passed_as_views_then_a_smaller_last_batch(worlds, world_size, case
         assert dynamic["collectives"] == static["collectives"]
         assert {(d, k) for d, k, _ in static["collectives"]} == {("backward", "all_reduce")}
     # (FSDP storage: at 3 rows a rank the solver moves activations, 128*s33 bytes, not weights.)
+    # The collectives table prints both graphs' rows, a symbolic byte count as its expression.
+    assert r["table"].count("\n") + 1 == 1 + len(static["collectives"]) + len(dynamic["collectives"])
     assert all(x["graphs"] == r["graphs"] for x in results)
 
 

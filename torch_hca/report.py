@@ -204,6 +204,11 @@ def new_graph_report(options: Any) -> GraphReport:
     return g
 
 
+def _bytes_text(n) -> str:
+    """A byte count as the table prints it; under dynamic shapes a symbolic one (``128*s33``) as its expression."""
+    return f"{n:.0f}" if isinstance(n, (int, float)) else str(n)
+
+
 class CompileReport:
     """The graphs of one compiled module and what the passes decided for them."""
 
@@ -252,7 +257,7 @@ class CompileReport:
                 rows.append((
                     str(position), c.direction[:3], c.kind, c.group, str(c.group_size),
                     "x".join(map(str, c.shape)) or "scalar", c.dtype.replace("torch.", ""),
-                    str(c.bytes), f"{c.wire_bytes:.0f}", c.partner or "-", c.rule,
+                    str(c.bytes), _bytes_text(c.wire_bytes), c.partner or "-", c.rule,
                 ))
         return _aligned(rows, width) if len(rows) > 1 else "(no collectives in the compiled graphs)"
 
