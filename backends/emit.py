@@ -16,13 +16,16 @@ cost about 1 ms more per call than that all_reduce and copy on 2 ranks here
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 from functorch.compile import make_boxed_func
 
-from torch_hca._torch_private import copy_graph_module, group_backend, group_rank, inductor_waits_late
+from torch_hca._torch_private import (copy_graph_module, group_backend, group_rank, inductor_random_as_eager,
+                                   inductor_waits_late)
+from torch_hca.randomness import graph_draws
 from torch_hca.passes.events import UNANNOTATED_VIEWS, is_view, written
 from torch_hca.spmd.cost_model import scatter_runs_as_all_reduce
 
@@ -44,7 +47,9 @@ def emit(gm: fx.GraphModule, example_inputs: list[Any], inner: str, is_backward:
         gm = copy_graph_module(gm)
         if _scatter_by_all_reduce(gm):
             gm.recompile()
-        with inductor_waits_late():
+        # A backward compiled later than its forward still draws as eager (pipeline.lower).
+        random_as_eager = inductor_random_as_eager() if graph_draws(gm) else contextlib.nullcontext()
+        with inductor_waits_late(), random_as_eager:
             return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
     return make_boxed_func(eager_graph(gm).forward)
 

@@ -14,6 +14,7 @@ call keeps the fastest (backends/tune.py).
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 
 from typing import Any, Callable
@@ -24,13 +25,14 @@ from functorch.compile import default_partition
 from torch._dynamo.backends.common import aot_autograd
 from torch.distributed.tensor import DTensor
 
-from torch_hca._torch_private import graph_arg_example, group_size, no_donated_buffers
+from torch_hca._torch_private import graph_arg_example, group_size, inductor_random_as_eager, no_donated_buffers
 from torch_hca.agreement import InputAgreement
 from torch_hca.spmd.collective_kinds import OPS, RULES, node_group, node_payload
 from torch_hca.options import Options
 from torch_hca.plan import parameter_name
 from torch_hca.errors import HCAError, UnsupportedError
 from torch_hca.lifting import dtensor_failure
+from torch_hca.randomness import generators_kept
 from torch_hca.spmd_check import check_same_collectives
 from torch_hca.refinement import check_refinement
 from torch_hca.report import CollectiveRecord, CompileReport, GraphReport, new_graph_report, next_graph_index
@@ -56,9 +58,11 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
         candidates, failed = _tune_candidates(gm, example_inputs, options, device_type)
         tuned = Tuned(candidates, options.tune_rounds, device_type, failed, options.costs(device_type))
         compiled, report_of, communicates = tuned, lambda: tuned.report, True
+        agreement.draws = candidates[0].report.random_draws if candidates else []
     else:
         report = new_graph_report(options)
         ctx, gm = lay_out(gm, example_inputs, report)
+        agreement.draws = report.random_draws
         if options.inner == "dtensor":
             return _agreed(gm.forward, agreement)
         compiled = lower(gm, example_inputs, ctx)
@@ -115,8 +119,9 @@ def lay_out(gm: fx.GraphModule, example_inputs: list[Any], report: GraphReport) 
     _describe_inputs(gm, report)
     report.dynamo_graph = gm
     dump(ctx, "dynamo", gm.code)
-    gm = run_pass(LiftPass(), gm, ctx)
-    gm = run_pass(LayoutPass(), gm, ctx)
+    with generators_kept(_device_type(gm)):  # probing a dropout draws nothing the step would
+        gm = run_pass(LiftPass(), gm, ctx)
+        gm = run_pass(LayoutPass(), gm, ctx)
     gm = run_pass(CotangentRolePass(), gm, ctx)
     gm = run_pass(OriginPass(), gm, ctx)
     report.dtensor_program = gm
@@ -154,15 +159,17 @@ def lower(gm: fx.GraphModule, example_inputs: list[Any], ctx: PassContext) -> Ca
         report.inference = True
         return forward_compiler(fw, inputs)
 
-    compiler = aot_autograd(
-        fw_compiler=forward_compiler,
-        bw_compiler=backward_compiler,
-        inference_compiler=inference_compiler,
-        partition_fn=partition,
-        decompositions=decompositions(options.inner),
-    )
+    # Random draws under Inductor: aten's kernels, as one device's eager program draws them.
+    random_as_eager = inductor_random_as_eager() if report.random_draws else contextlib.nullcontext()
     try:
-        with no_donated_buffers():  # see there: a silent wrong gradient under Inductor otherwise
+        with no_donated_buffers(), random_as_eager:  # see there: a silent wrong gradient under Inductor otherwise
+            compiler = aot_autograd(
+                fw_compiler=forward_compiler,
+                bw_compiler=backward_compiler,
+                inference_compiler=inference_compiler,
+                partition_fn=partition,
+                decompositions=decompositions(options.inner),
+            )
             compiled = compiler(gm, example_inputs)
     except HCAError:
         raise

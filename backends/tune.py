@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch_hca.errors import CheckError
 from torch_hca.exchange import exchange, needs_exchange
 from torch_hca.options import Options
+from torch_hca.randomness import generator_states, set_generator_states
 from torch_hca.refinement import fixed_cotangents, history_cut, restorer
 from torch_hca.report import CompileReport, GraphReport
 from torch_hca.spmd.cost_model import CostModel
@@ -106,7 +107,7 @@ class Tuned:
         """Run every candidate once, merge those that emitted one program, time the rest in
         turn, agree with the other ranks on the fastest and keep it."""
         sync = torch.cuda.synchronize if self.device_type == "cuda" else (lambda: None)
-        restore, rng = restorer(args), _rng_state(self.device_type)
+        restore, rng = restorer(args), generator_states(self.device_type)
         args = history_cut(args)
         leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         try:
@@ -121,7 +122,7 @@ class Tuned:
                     times[i].append(_run(c.compiled, args, leaves, cotangents[id(c)], sync)[0])
         finally:
             restore()
-            _set_rng_state(self.device_type, rng)
+            set_generator_states(self.device_type, rng)
         if len(self.candidates) == 1:
             self.kept = self.candidates[0]
             self._record([])
@@ -206,13 +207,3 @@ def _by_rank(topic: str, labels: list[str], values: list[Any], graph: int, parse
                              "rank the same model, plan, options and calibration")
         out[rank] = [parse(v) for _, v in rows]
     return out
-
-
-def _rng_state(device_type: str) -> tuple:
-    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if device_type == "cuda" else None
-
-
-def _set_rng_state(device_type: str, state: tuple) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])

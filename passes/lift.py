@@ -23,4 +23,5 @@ class LiftPass:
         if lifted is None:
             return PassResult(gm, False)
         ctx.report.run_replicated = lifted.run_replicated
+        ctx.report.random_draws = lifted.draws
         return PassResult(gm, True, lifted.decisions)

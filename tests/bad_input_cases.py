@@ -417,6 +417,9 @@ def _ops() -> list[Case]:
              r"updates from_local, an argument, parameter or buffer of the graph, in place; write it out of place \(y = x \* 2, not x\.mul_\(2\)\)"),
         Case("op/in-place-update-of-a-parameter", _train(lambda: _mlp({}, model=InPlace("parameter")), x), U,
              r"add_ .*updates l_self_modules_fc_parameters_weight_, an argument, parameter or buffer of the graph, in place; write it out of place"),
+        Case("op/random-draw-from-a-dtensor", _train(lambda: _mlp({"fc.weight": Shard(0)}, model=Then(lambda t: t * torch.rand_like(t))), x), U,
+             r"draws random numbers \(aten\.rand_like\.default\) from a value laid out over the mesh; source: .*rand_like.*only "
+             r"F\.dropout / nn\.Dropout is placed so far: draw a plain tensor of the whole shape instead \(torch\.rand\(x\.shape\)"),
         Case("op/attention-under-dynamic-shapes", _backend(lambda: _compiled(_mlp({}, model=zoo.Attention(8, 2)), dynamic=True)(
             torch.randn(2, 4, 8))), U,
              r"with dynamic shapes failed .*compile with torch\.compile\(\.\.\., dynamic=False\) to recompile per shape"),
@@ -601,6 +604,11 @@ def _ranks() -> list[Case]:
              CE, r"disagree on the collective they call: rank 0: .*float32.*rank 1: .*float64", "ranks"),
         Case("ranks/different-ops", _on_rank(lambda r: (C.all_reduce, C.reduce_scatter)[r](torch.ones(4), "P", ("R", "S(0)")[r])), CE,
              r"disagree on the collective they call: rank 0: .*all_reduce.*rank 1: .*reduce_scatter", "ranks"),
+        Case("ranks/dropout-with-generators-seeded-apart",
+             _on_rank(lambda r: (torch.manual_seed(r), _train(lambda: _mlp({}, model=Then(nn.Dropout(0.5))), torch.ones(8, 8))())),
+             hca.CheckError, r"the program draws random numbers \(.*bernoulli.*\) and rank 0's default random number generator "
+             r"differs from rank 1's.*Seed every rank the same before the first step \(torch\.manual_seed\(seed\) with one seed on "
+             r"every rank\)", "ranks"),
         Case("ranks/different-plans", _on_rank(lambda r: hca.sharded({"fc1.weight": Shard(r)})(zoo.MLP())), hca.PlanError,
              r"rank \d and rank \d were given different plans or models; the first difference: .*fc1\.weight.*Give every rank the same model, plan and mesh",
              "ranks"),

@@ -140,12 +140,12 @@ def vector_inputs(batch: int) -> tuple:
 # ----------------------------------------------------------------------------- models
 
 
-def gpt2() -> Built:
+def gpt2(dropout: float = 0.0) -> Built:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
         n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=0.0, use_cache=False,
         bos_token_id=0, eos_token_id=0,  # defaults (50256) lie outside the tiny vocabulary: HF warns
         attn_implementation="sdpa",
     )
@@ -172,7 +172,7 @@ def llama() -> Built:
     return LogitsOf(hf, ("input_ids",)), token_inputs, lm_loss
 
 
-def bert() -> Built:
+def bert(dropout: float = 0.0) -> Built:
     """BertForMaskedLM: padding mask, token types, post-LN, the MLM head's decoder tied
     to the word embeddings (HF's default), and its bias tied to ``cls.predictions.bias``."""
     from transformers import BertConfig, BertForMaskedLM
@@ -180,7 +180,7 @@ def bert() -> Built:
     config = BertConfig(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
         vocab_size=VOCAB, max_position_embeddings=32, type_vocab_size=2, pad_token_id=0,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, use_cache=False,
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=0.0, use_cache=False,
         attn_implementation="sdpa",
     )
     hf = BertForMaskedLM(config)
@@ -208,7 +208,7 @@ def convnet() -> Built:
     return model, image_inputs, class_loss
 
 
-def vit() -> Built:
+def vit(dropout: float = 0.0) -> Built:
     """transformers' ViTForImageClassification: 8x8 images, 4x4 patches (4 patches + the
     class token = 5 positions, never sharded), 2 pre-LN layers, head on the class token."""
     from transformers import ViTConfig, ViTForImageClassification
@@ -216,7 +216,7 @@ def vit() -> Built:
     config = ViTConfig(
         image_size=8, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
         num_attention_heads=4, intermediate_size=64, num_labels=4,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa",
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=0.0, attn_implementation="sdpa",
     )
     return LogitsOf(ViTForImageClassification(config), ("pixel_values",)), image_inputs, class_loss
 
@@ -250,7 +250,15 @@ MODELS: dict[str, Callable[[], Built]] = {
 }
 
 
-def build(name: str) -> Built:
+# The models whose hidden (not attention) dropout `build` can turn on: hca refuses attention
+# dropout by name, and places every other dropout as one device draws it (torch_hca.randomness).
+DROPOUT_MODELS = ("gpt2", "bert", "vit")
+
+
+def build(name: str, dropout: float = 0.0) -> Built:
+    """The model `name`, with its hidden dropout at `dropout` (only `DROPOUT_MODELS`)."""
+    if dropout:
+        return MODELS[name](dropout=dropout)
     return MODELS[name]()
 
 

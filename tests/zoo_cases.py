@@ -65,15 +65,17 @@ def _optimizer(name: str, params) -> torch.optim.Optimizer:
 
 
 def zoo_parity(model_name: str, plan_name: str, steps: int = 2, optimizer: str = "sgd",
-               options: dict | None = None, count_c10d: bool = False) -> dict[str, Any]:
+               options: dict | None = None, count_c10d: bool = False, dropout: float = 0.0) -> dict[str, Any]:
     """Outputs, gradients and `steps` optimizer steps of the sharded, hca-compiled model
     against the single-device reference, plus the report's graphs and collectives.
     ``options``: backend options to use instead of `backend_options()`. ``count_c10d``: also
-    the c10d ops the compiled forward and backward of the last step ran (``ran``, by kind)."""
+    the c10d ops the compiled forward and backward of the last step ran (``ran``, by kind).
+    ``dropout``: the model's hidden dropout (`model_zoo.DROPOUT_MODELS`); both runs seed their
+    generators alike before each forward, so one device draws the masks the ranks draw."""
     torch._dynamo.reset()
     world_size = dist.get_world_size()
     torch.manual_seed(0)
-    ref, make_inputs, loss_fn = model_zoo.build(model_name)
+    ref, make_inputs, loss_fn = model_zoo.build(model_name, dropout)
     spec = model_zoo.plan_spec(model_name, plan_name, world_size, ref)
     mesh = hca.init_mesh(spec.mesh_shape, spec.mesh_names)
     batches = [make_inputs(model_zoo.BATCH) for _ in range(steps)]  # same on every rank (same seed)
@@ -99,6 +101,7 @@ def zoo_parity(model_name: str, plan_name: str, steps: int = 2, optimizer: str =
     for step, xs in enumerate(batches):
         counting = count_c10d and step == len(batches) - 1
         t0 = time.perf_counter()
+        torch.manual_seed(1000 + step)  # the same on every rank, and for the reference below
         with StepProfile(world_size) if counting else contextlib.nullcontext() as forward_ran:
             out = compiled(*local(xs))
         t1 = time.perf_counter()
@@ -110,6 +113,7 @@ def zoo_parity(model_name: str, plan_name: str, steps: int = 2, optimizer: str =
         t3 = time.perf_counter()
         if counting:  # the eager gather of the output (`full`) and its backward run outside these
             result["ran"] = {"forward": forward_ran.by_kind, "backward": backward_ran.by_kind}
+        torch.manual_seed(1000 + step)
         ref_out = ref(*xs)
         ref_loss = loss_fn(ref_out, xs)
         ref_loss.backward()
@@ -137,6 +141,7 @@ def zoo_parity(model_name: str, plan_name: str, steps: int = 2, optimizer: str =
     # every parameter enters the first graph, so it cannot see a break.
     result["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
     result["refinement"] = [g.refinement for g in rep.graphs]
+    result["random_draws"] = [d for g in rep.graphs for d in g.random_draws]
     result["tuning"] = [g.tuning for g in rep.graphs]  # option layout="tune": each candidate's time
     result["implicit"] = [m for g in rep.graphs for m in g.implicit_redistributions]
     result["forward"] = rep.collective_counts("forward")

@@ -193,6 +193,20 @@ def inductor_waits_late():
                                  reorder_for_compute_comm_overlap_passes=["sink_waits"])
 
 
+def inductor_random_as_eager():
+    """Inductor drawing random numbers through aten's own kernels (its ``fallback_random``).
+
+    On CPU Inductor calls aten's ``bernoulli_`` anyway (its lowering falls back); on CUDA
+    its decompositions replace it with Inductor's own generator: every rank would still
+    draw the same numbers, but not those one device's eager program draws, which the
+    refinement check compares against. Both the decomposition table AOTAutograd applies
+    and Inductor's lowering read the flag. (No GPU here: the CUDA half is untested.)
+    """
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(fallback_random=True)
+
+
 def no_donated_buffers():
     """AOTAutograd without "donated buffers" for the compile inside this context.
 

@@ -14,11 +14,15 @@ each rank posts, through `torch_hca.exchange`:
   same piece: all of them for a ``Replicate()`` input, a buffer or a Python
   scalar Dynamo passes as an input; for a sharded input, the ranks at the same
   mesh coordinate on every dimension it is sharded over;
+* where the program draws random numbers (dropout), a digest of the default
+  generators' states: every rank must draw what one device would
+  (`torch_hca.randomness`), so ranks seeded apart cannot train on;
 
 and a difference is a `CheckError` naming the input, the ranks and what each
 holds. Option ``input_check``: ``"values"`` (the default, all of the above on
 every call), ``"shapes"`` (no byte digests after the first call) or
-``"first"`` (the whole check on the first call only).
+``"first"`` (the whole check on the first call only); the generators are
+compared wherever the byte digests are.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from ._torch_private import (graph_arg_example, graph_arg_is_python_scalar, grap
                              graph_arg_source)
 from .errors import CheckError
 from .exchange import needs_exchange, post
+from .randomness import generator_digest
 from .logical import ENTER, decode, mesh_of
 
 
@@ -151,6 +156,7 @@ class InputAgreement:
         self.program = program_digest(gm)
         self.code = gm.code
         self.calls = 0
+        self.draws: list[str] = []  # the program's random draws, set once it is lifted
         self._coordinates: dict[int, tuple[int, ...]] | None = None
 
     def post(self, args: list[Any]) -> Callable[[], None] | None:
@@ -164,7 +170,8 @@ class InputAgreement:
         if self.mesh is None or not needs_exchange() or (self.mode == "first" and not first):
             return None
         digest = first or self.mode == "values"
-        text = "\n".join([f"{self.what}\t{self.program}"]
+        generators = generator_digest(self.mesh.device_type) if digest and self.draws else "-"
+        text = "\n".join([f"{self.what}\t{self.program}\t{generators}"]
                          + ["\t".join(_describe_value(args[i.index], digest)) for i in self.inputs])
         posted = post("step", text, range(dist.get_world_size()))
 
@@ -180,8 +187,8 @@ class InputAgreement:
         return verify
 
     def _compare(self, a: int, ours: list[str], b: int, theirs: list[str]) -> None:
-        our_what, _, our_program = ours[0].partition("\t")
-        their_what, _, their_program = theirs[0].partition("\t")
+        our_what, our_program, our_generators = ours[0].split("\t")
+        their_what, their_program, their_generators = theirs[0].split("\t")
         if our_what != their_what:
             raise CheckError(
                 f"{self.what}: rank {a} runs {our_what} while rank {b} runs {their_what}: the ranks recompiled "
@@ -201,6 +208,14 @@ class InputAgreement:
                 f"{self.what}: rank {a} and rank {b} traced different programs from the same code (digest "
                 f"{our_program} vs {their_program}): a Python value or branch depends on the rank (e.g. "
                 "`x * rank` or `if rank == 0:` in forward). Pass rank-dependent data as a sharded input instead"
+            )
+        if our_generators != their_generators:
+            raise CheckError(
+                f"{self.what}: the program draws random numbers ({'; '.join(self.draws[:3])}) and rank {a}'s default "
+                f"random number generator differs from rank {b}'s (digest {our_generators} vs {their_generators}), so "
+                "their dropout masks would differ where they must be one. Seed every rank the same before the first "
+                "step (torch.manual_seed(seed) with one seed on every rank), and draw rank-local randomness (data "
+                "shuffling, augmentation) from a torch.Generator of its own"
             )
         same_piece = self._same_piece(a, b)
         for inp, mine, other in zip(self.inputs, ours[1:], theirs[1:]):

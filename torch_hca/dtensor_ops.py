@@ -48,6 +48,27 @@ def to_output(x: DTensor, placements: tuple[Placement, ...], grad_scale: float =
 
 
 
+def dropout(x: DTensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> DTensor:
+    """``F.dropout`` of a DTensor as one device draws it (torch_hca.randomness).
+
+    Every rank draws the whole noise tensor from its default generator, as ``F.dropout``
+    does on one CPU (``bernoulli_(1 - p)``, then ``div_(1 - p)``), and multiplies its piece
+    of `x` by its piece of it: a shard keeps its slice (no communication), a partial sum
+    the whole (the mask is linear). The lift pass makes an in-place dropout out of place.
+    """
+    if p < 0.0 or p > 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if not training or p == 0.0:
+        return x
+    if p == 1.0:
+        return x * 0.0
+    noise = torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)
+    mesh = x.device_mesh
+    pieces = tuple(q if q.is_shard() else Replicate() for q in x.placements)
+    noise = DTensor.from_local(noise, mesh, (Replicate(),) * mesh.ndim, run_check=False).redistribute(mesh, pieces)
+    return x * noise
+
+
 # Callables `run_local` may name (FX arguments stay printable as strings).
 LOCAL_FUNCTIONS: dict[str, Any] = {}
 

@@ -15,6 +15,9 @@ Dynamo traced the sharded module over plain tensors of global shape
   buffer) stays plain while only plain tensors read it, and becomes a
   replicated DTensor where it meets a DTensor: every rank makes the same one;
 * ``scaled_dot_product_attention`` becomes ``hca::attention`` (its own rule);
+* ``F.dropout`` becomes `dtensor_ops.dropout`, which draws what one device
+  draws; any other op that draws random numbers from a DTensor is refused
+  (`torch_hca.randomness`), and the ops that draw are recorded;
 * ops that return several tensors are split into one node per result
   (``split``/``chunk``/``unbind`` into slices of the input);
 * an in-place update of an intermediate value becomes its out-of-place form,
@@ -29,6 +32,7 @@ apply), so the layout pass sees the whole program before it places anything.
 
 from __future__ import annotations
 
+import inspect
 import operator
 import re
 from typing import Any
@@ -39,7 +43,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._pytree import tree_leaves
 
-from . import attention, dtensor_ops, layout_candidates
+from . import attention, dtensor_ops, layout_candidates, randomness
 from .layout_candidates import op_name, source_line
 from ._torch_private import fake_dtensor_work
 from .errors import UnsupportedError
@@ -73,6 +77,7 @@ class Lifted:
     def __init__(self):
         self.decisions: list[str] = []
         self.run_replicated: list[str] = []
+        self.draws: list[str] = []  # "node: aten op" of each random draw (torch_hca.randomness)
 
     def run(self, gm: fx.GraphModule) -> bool:
         graph = gm.graph
@@ -90,7 +95,9 @@ class Lifted:
             for node in list(graph.nodes):
                 if node in self.erased:  # a getitem replaced while splitting an op above
                     continue
-                self._lift(node)
+                with randomness.recording_draws() as drawn:
+                    self._lift(node)
+                self.draws += [f"{node.name}: {op}" for op in dict.fromkeys(drawn)]
         return True  # no dead-code pass: in-place updates of buffers have no users and must stay
 
     # --------------------------------------------------------------------- one node
@@ -127,15 +134,27 @@ class Lifted:
                 self._as_dtensor(node, src)
         if node.target in SDPA:
             node.target = attention.sdpa
+        if node.target in randomness.DROPOUT:
+            self._dropout(node)
+            return
         args, kwargs = self._values(node)
         try:
-            value = layout_candidates.call_node(self.gm, node, args, kwargs)
+            with randomness.recording_draws() as drawn:
+                value = layout_candidates.call_node(self.gm, node, args, kwargs)
         except UnsupportedError:
             raise
         except Exception as e:  # DTensor has no rule for it: run it whole on every rank
             self._run_replicated(node, f"DTensor has no rule for it ({type(e).__name__}: {str(e).splitlines()[0][:160]})" if str(e)
                                  else f"DTensor has no rule for it ({type(e).__name__})")
             return
+        if drawn:
+            raise UnsupportedError(
+                f"lift: {node.name} ({op_name(node)}) draws random numbers ({', '.join(dict.fromkeys(drawn))}) from a "
+                f"value laid out over the mesh; source: {source_line(node)}. Each rank would draw its own piece, not "
+                "its piece of what one device draws, so only F.dropout / nn.Dropout is placed so far: draw a plain "
+                "tensor of the whole shape instead (torch.rand(x.shape) * ..., every rank draws the same one), or "
+                "draw outside the compiled module"
+            )
         same = [a for a in node.all_input_nodes if self.env.get(a) is value and isinstance(value, DTensor)]
         if same and not _looks_inplace(node):  # returns its input (`.to` of the same dtype): an alias
             node.replace_all_uses_with(same[0])
@@ -148,6 +167,24 @@ class Lifted:
                 self._split_results(node, value)
             else:  # sort, max(dim), qr, multi-head attention...: the layout pass places one value per node
                 self._run_replicated(node, f"it returns {len(value)} tensors")
+            return
+        self._set(node, value)
+
+    def _dropout(self, node: fx.Node) -> None:
+        """``F.dropout`` as `dtensor_ops.dropout` (in place made out of place)."""
+        bound = inspect.signature(F.dropout).bind(*node.args, **node.kwargs)
+        bound.apply_defaults()
+        x, p, training, inplace = bound.args
+        node.target, node.args, node.kwargs = dtensor_ops.dropout, (x, p, training), {}
+        if inplace and isinstance(x, fx.Node):
+            node.kwargs = {"inplace": True}
+            self._set(node, self._functionalize(node, x))
+            return
+        args, kwargs = self._values(node)
+        value = dtensor_ops.dropout(*args, **kwargs)
+        if value is args[0]:  # not training, or p == 0: the input itself
+            node.replace_all_uses_with(x)
+            self.gm.graph.erase_node(node)
             return
         self._set(node, value)
 

@@ -15,8 +15,10 @@ rank) back through both. Each output and each gradient is compared globally
 and its layout. The tolerance is fp32's, or the precision of the lowest float
 type the program computes in (bf16 under ``torch.autocast``, say): the two
 programs add partial sums in different orders, and the rounding follows the
-type. Mutated inputs (buffers' running statistics) are restored afterwards, so
-the real step that follows sees them untouched.
+type. Both programs start from the same random number generators' states (a
+dropout draws the same mask in both), and those states and mutated inputs
+(buffers' running statistics) are restored afterwards, so the real step that
+follows draws and sees what it would have.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch.utils._pytree import tree_leaves
 
 from .errors import CheckError
 from .plan import parameter_name
+from .randomness import generator_states, set_generator_states
 from .spmd.placements import layout_str
 
 # Relative error (2-norm) beyond which a value is wrong: fp32 rounding on these
@@ -96,6 +99,8 @@ def fixed_cotangents(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
 def check_refinement(logical: fx.GraphModule, compiled: Callable, args: list[Any], what: str) -> dict[str, float]:
     """Run both programs on `args`; raise CheckError on the first output or gradient that differs."""
     restore = restorer(args)
+    device_type = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+    generators = generator_states(device_type)
     tol = tolerance(logical)
     beyond = "" if tol == TOLERANCE else f" (beyond {tol:.2g}, the tolerance of its lowest-precision values)"
     args = history_cut(args)
@@ -108,6 +113,7 @@ def check_refinement(logical: fx.GraphModule, compiled: Callable, args: list[Any
                 for a in args]
         with torch.enable_grad():
             expected = logical(*mine)
+            set_generator_states(device_type, generators)
             got = compiled(*args)
         expected = expected if isinstance(expected, (tuple, list)) else (expected,)
         pairs = [(i, e, g) for i, (e, g) in enumerate(zip(expected, got)) if isinstance(e, torch.Tensor)]
@@ -140,3 +146,4 @@ def check_refinement(logical: fx.GraphModule, compiled: Callable, args: list[Any
         return errors
     finally:
         restore()
+        set_generator_states(device_type, generators)

@@ -160,6 +160,7 @@ class GraphReport:
     redistributions: list[Redistribution] = field(default_factory=list)
     implicit_redistributions: list[str] = field(default_factory=list)
     run_replicated: list[str] = field(default_factory=list)  # ops DTensor has no rule for (lift pass)
+    random_draws: list[str] = field(default_factory=list)  # "node: aten op" drawing random numbers (lift pass)
     refinement: dict[str, float] | None = None  # option check: relative error of each output and gradient
     parameters: dict[str, dict[str, Any]] = field(default_factory=dict)
     values: dict[str, dict[str, Any]] = field(default_factory=dict)
