@@ -32,7 +32,7 @@ from torch_hca.options import Options
 from torch_hca.plan import parameter_name
 from torch_hca.errors import HCAError, UnsupportedError
 from torch_hca.lifting import dtensor_failure
-from torch_hca.randomness import generators_kept
+from torch_hca.randomness import generators_kept, without_dead_draws
 from torch_hca.spmd_check import check_same_collectives
 from torch_hca.refinement import check_refinement
 from torch_hca.report import CollectiveRecord, CompileReport, GraphReport, new_graph_report, next_graph_index
@@ -139,7 +139,8 @@ def lower(gm: fx.GraphModule, example_inputs: list[Any], ctx: PassContext) -> Ca
         agree = agree_across_ranks if options.rank_rewrites else no_rank_rewrites
         joint = run_pass(CollectiveRewritePass(agree), joint, ctx)
         report.joint = run_pass(BackwardKeptPass(), joint, ctx)
-        return default_partition(report.joint, joint_inputs, **kwargs)
+        forward, backward = default_partition(report.joint, joint_inputs, **kwargs)
+        return forward, without_dead_draws(backward, f"graph {report.index}")
 
     def forward_compiler(fw: fx.GraphModule, inputs):
         report.forward = run_pass(SchedulePass("forward"), fw, ctx)

@@ -428,3 +428,14 @@ def test_cpu_flash_attention_and_its_backward_are_sdpa_on_one_cpu():
     grads = tp.cpu_flash_attention_backward(grad, q, k, v, out, lse, mask, True, 0.3)
     for got, leaf in zip(grads, leaves):
         torch.testing.assert_close(got, leaf.grad)
+
+
+def test_inductor_random_as_eager_keeps_aten_draws_in_the_decompositions():
+    import torch._inductor.config as inductor_config
+    from torch._inductor.decomposition import select_decomp_table
+
+    assert aten.rand_like.default in select_decomp_table()  # Inductor's own generator, by default
+    with tp.inductor_random_as_eager():
+        assert inductor_config.fallback_random is True
+        assert aten.rand_like.default not in select_decomp_table()
+    assert inductor_config.fallback_random is False

@@ -70,8 +70,10 @@ def zoo_parity(model_name: str, plan_name: str, steps: int = 2, optimizer: str =
     against the single-device reference, plus the report's graphs and collectives.
     ``options``: backend options to use instead of `backend_options()`. ``count_c10d``: also
     the c10d ops the compiled forward and backward of the last step ran (``ran``, by kind).
-    ``dropout``: the model's hidden dropout (`model_zoo.DROPOUT_MODELS`); both runs seed their
-    generators alike before each forward, so one device draws the masks the ranks draw."""
+    ``dropout``: the model's hidden dropout (`model_zoo.DROPOUT_MODELS`); the compiled steps and the
+    reference's each draw from their own copy of one seeded generator state, carried from step to
+    step, so a step that draws more than one device's (a backward drawing again) shifts the next
+    step's masks."""
     torch._dynamo.reset()
     world_size = dist.get_world_size()
     torch.manual_seed(0)
@@ -96,12 +98,14 @@ def zoo_parity(model_name: str, plan_name: str, steps: int = 2, optimizer: str =
         "tied_ref": model_zoo.tied_groups(ref),
         "tied_sharded": model_zoo.tied_groups(model),
     }
+    torch.manual_seed(1000)  # the same on every rank
+    streams = {"compiled": torch.get_rng_state(), "reference": torch.get_rng_state()}
     opt = _optimizer(optimizer, model.parameters())  # named_parameters/parameters: a tied weight once
     ref_opt = _optimizer(optimizer, ref.parameters())
     for step, xs in enumerate(batches):
         counting = count_c10d and step == len(batches) - 1
         t0 = time.perf_counter()
-        torch.manual_seed(1000 + step)  # the same on every rank, and for the reference below
+        torch.set_rng_state(streams["compiled"])
         with StepProfile(world_size) if counting else contextlib.nullcontext() as forward_ran:
             out = compiled(*local(xs))
         t1 = time.perf_counter()
@@ -111,12 +115,14 @@ def zoo_parity(model_name: str, plan_name: str, steps: int = 2, optimizer: str =
         with StepProfile(world_size) if counting else contextlib.nullcontext() as backward_ran:
             loss.backward()
         t3 = time.perf_counter()
+        streams["compiled"] = torch.get_rng_state()
         if counting:  # the eager gather of the output (`full`) and its backward run outside these
             result["ran"] = {"forward": forward_ran.by_kind, "backward": backward_ran.by_kind}
-        torch.manual_seed(1000 + step)
+        torch.set_rng_state(streams["reference"])
         ref_out = ref(*xs)
         ref_loss = loss_fn(ref_out, xs)
         ref_loss.backward()
+        streams["reference"] = torch.get_rng_state()
         if step == 0:
             result["first_call_s"] = t1 - t0
             result["first_backward_s"] = t3 - t2

@@ -16,8 +16,10 @@ where they agree. So:
 * a program that draws adds its ranks' default generators to the input check
   (`torch_hca.agreement`): ranks seeded differently are a `CheckError` on the
   first call, not a silent divergence;
-* compiling draws nothing, and the refinement check and ``layout="tune"`` put the
-  generators back after their extra runs: the step draws what one device's would.
+* compiling draws nothing, the backward draws nothing (AOTAutograd's partition
+  copies unread draws into it: `without_dead_draws`), and the refinement check and
+  ``layout="tune"`` put the generators back after their extra runs: a step draws
+  what one device's would.
 """
 
 from __future__ import annotations
@@ -45,6 +47,29 @@ def graph_draws(gm: fx.GraphModule | None) -> list[str]:
     if gm is None:
         return []
     return [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and draws(n.target)]
+
+
+def without_dead_draws(backward: fx.GraphModule, what: str) -> fx.GraphModule:
+    """`backward` less the draws nobody reads, which AOTAutograd's partition copies there
+    from the forward.
+
+    FX keeps them as side effects, and each would advance the generator a second time
+    per step: the next step's masks would no longer be one device's. A draw the backward
+    does read would be a mask drawn anew, not the forward's: a `CheckError`.
+    """
+    from .errors import CheckError
+
+    dead = [n for n in backward.graph.nodes if n.op == "call_function" and draws(n.target) and not n.users]
+    for node in reversed(dead):
+        backward.graph.erase_node(node)
+    read = [n.name for n in backward.graph.nodes if n.op == "call_function" and draws(n.target)]
+    if read:
+        raise CheckError(f"{what}: the backward draws random numbers of its own ({', '.join(read)}), not the "
+                         "forward's masks; its gradients would be wrong. Please report this model")
+    if dead:
+        backward.graph.eliminate_dead_code()
+        backward.recompile()
+    return backward
 
 
 class _Recorder(TorchDispatchMode):

@@ -17,6 +17,7 @@ from . import dtensor_ops
 
 REWRITES = {
     F.scaled_dot_product_attention: dtensor_ops.attention,
+    F.dropout: dtensor_ops.dropout,  # the masks one device draws (torch_hca.randomness)
 }
 
 
