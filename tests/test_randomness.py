@@ -104,3 +104,19 @@ def test_compiled_dropout_is_recorded_adds_no_collective_and_compiles_without_dr
     for direction in ("forward", "backward"):  # dropout adds no collective
         assert rep.collective_counts(direction) == hca.report(plain).collective_counts(direction)
     assert rep.collective_counts("forward") == {"all_reduce": 1}  # the activations stayed sharded
+
+
+@pytest.mark.parametrize("fake_pg", [2], indirect=True)
+def test_an_eager_sharded_module_draws_as_one_device(fake_pg):
+    """Called without torch.compile, a sharded module's forward runs over DTensors; its dropout
+    draws the whole mask too (torch_hca.rewrites), here on rows split over the mesh."""
+    torch.manual_seed(0)
+    reference = _Dropped()
+    torch.manual_seed(0)
+    model = hca.sharded({}, mesh=fake_pg, inputs=Shard(0), outputs=Shard(0))(_Dropped())
+    x = torch.randn(8, 8)
+    torch.manual_seed(5)
+    want = reference(x)
+    torch.manual_seed(5)
+    got = model(x.chunk(2)[0])  # rank 0's rows
+    torch.testing.assert_close(got, want.chunk(2)[0])
