@@ -141,3 +141,36 @@ def divergent_plans() -> dict[str, Any]:
     except hca.PlanError as e:
         return {"raised": True, "message": str(e), "seconds": time.perf_counter() - start}
     return {"raised": False, "message": None, "seconds": time.perf_counter() - start}
+
+
+def solver_choices_apart() -> dict[str, Any]:
+    """Rank 1's solver returns another program than rank 0's, as HiGHS may for optima of equal
+    cost (here: rank 1 solves under a cost model where bytes are dear and compute free, so it
+    gathers the tiny batch where rank 0 splits the rows). Every rank must still emit one
+    program, rank 0's. What it ran, or the error it raised."""
+    import dataclasses
+
+    from torch_hca import layout_solver
+
+    mesh = hca.init_mesh()
+    rank = dist.get_rank()
+    solve = layout_solver.solve
+    if rank == 1:
+        def apart(ops, costs, **kwargs):
+            model = dataclasses.replace(costs.model, flops_per_s=1e15, bytes_per_s=1e3, launch_s=0.0)
+            return solve(ops, layout_solver.Costs(costs.mesh, model), **kwargs)
+        layout_solver.solve = apart
+    try:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = hca.sharded({}, mesh=mesh, inputs=Shard(0), outputs=Shard(0))(Net())
+        compiled = torch.compile(model, backend="hca", options={"check": True})
+        x = torch.randn(8, 16).chunk(dist.get_world_size())[rank]
+        compiled(x).sum().backward()
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        layout_solver.solve = solve
+    rep = hca.report(compiled)
+    return {"forward": rep.collective_counts("forward"), "backward": rep.collective_counts("backward"),
+            "status": rep.graph.layout["status"], "refinement": rep.graph.refinement}

@@ -109,3 +109,17 @@ def test_the_program_digest_reads_past_an_unused_storage_offset():
     other(torch.ones(15, 4))
     torch._dynamo.reset()
     assert graphs[-1][1] != at_zero[1]
+
+
+def test_every_rank_keeps_rank_0s_layout_choice(worlds):
+    """Rank 1's solver returns another program (it gathers the batch where rank 0 reduces
+    gradients), as HiGHS did with two optima of equal cost for Llama on the (2, 2) mesh under
+    load; without the agreement the collective check stopped the first backward with
+    "compiled different collectives"."""
+    results = worlds(2).run(agreement_cases.solver_choices_apart)
+    assert all("error" not in r for r in results), results
+    first, second = results
+    assert (first["forward"], first["backward"]) == (second["forward"], second["backward"])
+    assert first["backward"].get("all_reduce", 0) >= 1 and "all_gather" not in first["forward"]  # rank 0's: rows split
+    assert "rank 0's choice kept" in second["status"] and "rank 0's choice kept" not in first["status"]
+    assert all(r["refinement"] and max(r["refinement"].values()) < 1e-5 for r in results)
