@@ -474,3 +474,16 @@ def divergent_in_one_tp_group() -> dict[str, Any]:
     except hca.CheckError as e:
         return {"raised": True, "message": str(e)}
     return {"raised": False, "message": None}
+
+
+def second_mesh_of_one_shape() -> list[bool]:
+    """Two (2, 2) meshes made one after the other: is each one's matmul result on its own mesh?
+    They compare equal (same shape and names) but own different process groups, and DTensor
+    caches its sharding decisions under such equal specs."""
+    out = []
+    for _ in range(2):
+        mesh = hca.init_mesh((2, 2), ("dp", "tp"))
+        x = distribute_tensor(torch.ones(4, 4), mesh, (Shard(0), Replicate()))
+        w = distribute_tensor(torch.ones(4, 4), mesh, (Replicate(), Shard(1)))
+        out.append((x @ w).device_mesh is mesh)
+    return out

@@ -111,3 +111,10 @@ def test_conv_partial_reads_are_never_offered_and_the_check_stops_them(worlds, t
         assert r["dtype"] == ("torch.bfloat16" if bf16 else "torch.float32")
         assert r["out_err"] <= (BF16_TOL if bf16 else TOL)
         assert r["reads"] and all("P" not in layout for row in r["reads"] for layout in row)
+
+
+def test_a_second_mesh_of_the_same_shape_is_its_own(worlds):
+    """`hca.init_mesh` forgets DTensor's cached sharding decisions: they named the first (2, 2)
+    mesh's process groups, and the second mesh's programs ran their collectives there (GPT-2
+    on a (2, 2) mesh after Llama in one process: "group 5 is no mesh dimension")."""
+    assert worlds(4).run(dist_cases.second_mesh_of_one_shape) == [[True, True]] * 4

@@ -164,7 +164,6 @@ def init_mesh(
     if timeout is not None:
         set_timeout(timeout)
     if not dist.is_initialized():
-        clear_dtensor_sharding_cache()  # decisions cached under an earlier group name dead meshes
         _init_process_group(device_type)
     world = dist.get_world_size()
     shape = (world,) if shape is None else shape
@@ -173,6 +172,11 @@ def init_mesh(
             f"init_mesh: mesh shape {shape} holds {math.prod(shape)} ranks but the world "
             f"has {world}; pick a shape whose product is {world}"
         )
+    # DTensor's cached decisions name an earlier mesh that compares equal to this one (same
+    # shape and names) but owns other process groups: a second (2, 2) mesh in one process
+    # then ran its collectives on the first one's groups, which the transpose pass could not
+    # place on a mesh dim ("group 5 is no mesh dimension").
+    clear_dtensor_sharding_cache()
     _current_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     return _current_mesh
 
