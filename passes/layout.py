@@ -6,8 +6,7 @@ whole graph at once, by cost; the pass inserts a `dtensor_ops.redistribute`
 node wherever a value is read in another layout than it was written in.
 With ``layout="dtensor"`` DTensor's own per-op choices are kept.
 
-Every rank solves, and every rank keeps rank 0's choice (`_rank0s_choice`): HiGHS
-can return different optima of one integer program in different processes.
+Every rank solves, and every rank keeps rank 0's choice (`layout_solver.solve`).
 
 Either way the pass then runs the program on the fake DTensors Dynamo traced
 with and watches for any redistribution DTensor would still do on its own:
@@ -23,7 +22,6 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
@@ -34,8 +32,7 @@ from torch_hca._torch_private import (
 )
 from torch_hca.spmd.collective_kinds import move_kind
 from torch_hca.spmd.placements import letter
-from torch_hca.errors import CheckError, UnsupportedError
-from torch_hca.exchange import exchange, needs_exchange
+from torch_hca.errors import UnsupportedError
 from torch_hca.plan import parameter_name
 from torch_hca.report import Redistribution
 from torch_hca.spmd.placements import layout_str
@@ -107,16 +104,10 @@ class LayoutPass:
             return []
         o = ctx.options
         solution_start = time.perf_counter()
-        costs = layout_solver.Costs(mesh, model)
         solution = layout_solver.solve(
-            ops, costs, memory_weight=o.memory_weight,
+            ops, layout_solver.Costs(mesh, model), memory_weight=o.memory_weight,
             memory_budget=None if o.memory_budget is None else o.memory_budget, time_limit_s=o.solver_time_limit_s,
         )
-        kept = _rank0s_choice(ops, solution, f"graph {ctx.report.index}")
-        if kept is not solution.choice:
-            solution.choice = kept
-            solution.explain = layout_solver.explain_rows(ops, costs, kept, o.memory_weight)
-            solution.status += "; rank 0's choice kept (this rank's solve found another)"
         ctx.report.layout = {
             "solver": solution.solver, "status": solution.status, "objective_s": solution.objective_s,
             "bound_s": solution.bound_s, "seconds": solution.seconds, "cost_model": model.as_dict(),
@@ -206,33 +197,6 @@ class LayoutPass:
         ctx.report.redistributions.append(
             Redistribution(node.name, src.name, layout_str(before), layout_str(after), reason, ", ".join(costed) or "local")
         )
-
-
-def _rank0s_choice(ops, solution, what: str) -> dict:
-    """The choice rank 0's solver made (this rank's own where it is the same, or alone).
-
-    Every rank must emit one program. The integer program is the same on every rank
-    (tests/test_solver_determinism.py), but HiGHS does not always return the same one
-    of several optima of equal cost: Llama on a (2, 2) mesh, 4 ranks on 2 cores, had
-    two ranks place a redistribution before and after a ``contiguous`` (same cost), and
-    the collective check stopped the first backward. Ranks given different cost models
-    (each its own calibration) choose differently too. So each rank posts its choice,
-    one strategy index per op, and all keep rank 0's.
-    """
-    if not needs_exchange():
-        return solution.choice
-    mine = ",".join(str(op.strategies.index(solution.choice[op.node])) for op in ops)
-    texts = exchange("layout choice", mine, range(dist.get_world_size()), f"{what}, layout choice")
-    theirs = mine if dist.get_rank() == 0 else texts[0]
-    if theirs == mine:
-        return solution.choice
-    picks = theirs.split(",")
-    if len(picks) != len(ops) or not all(int(j) < len(op.strategies) for op, j in zip(ops, picks)):
-        raise CheckError(
-            f"{what}: rank 0 chose among other layout candidates than rank {dist.get_rank()} ({len(picks)} ops "
-            f"against {len(ops)}): the ranks traced different programs; give every rank the same model and inputs"
-        )
-    return {op.node: op.strategies[int(j)] for op, j in zip(ops, picks)}
 
 
 def _inherit_source(move: fx.Node, reader: fx.Node) -> None:

@@ -25,7 +25,8 @@ The exact solve is an integer program (`scipy.optimize.milp`, HiGHS): one
 binary per (op, strategy), one per (edge, producer layout, consumer layout)
 where both ends have a choice, marginals tying them together. It has a time
 limit; without a solution in time a greedy pass (each op in graph order takes
-its cheapest strategy given its producers) decides. Probes are cached by op
+its cheapest strategy given its producers) decides. Every rank solves, and every
+rank keeps rank 0's choice (`_rank0s_choice`). Probes are cached by op
 and layouts, so repeated layers are probed once; the integer program itself
 spans the whole graph.
 """
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
@@ -48,6 +50,7 @@ from .spmd.collective_kinds import Kind, cotangent_letter, move_kind
 from .spmd.placements import layout_str, letter
 from .spmd.cost_model import CostModel
 from .errors import PlanError
+from .exchange import exchange, needs_exchange
 
 @dataclass
 class Solution:
@@ -305,8 +308,36 @@ def solve(ops: list[Op], costs: Costs, *, memory_weight: float = 0.0, memory_bud
         choice = greedy(ops, costs, memory_weight)
         solution = Solution(choice, "greedy", total_cost(ops, costs, choice, memory_weight), None,
                             f"fallback: {result.message}", time.perf_counter() - start)
+    kept = _rank0s_choice(ops, solution)
+    if kept is not solution.choice:
+        solution.choice = kept
+        solution.status += "; rank 0's choice kept (this rank's solve found another)"
     solution.explain = explain_rows(ops, costs, solution.choice, memory_weight)
     return solution
+
+
+def _rank0s_choice(ops: list[Op], solution: Solution) -> dict[fx.Node, Strategy]:
+    """The choice rank 0's solver made (this rank's own where it is the same, or alone).
+
+    Every rank must emit one program. The integer program is the same on every rank
+    (tests/test_solver_determinism.py), but HiGHS does not always return the same one
+    of several optima of equal cost: Llama on a (2, 2) mesh, 4 ranks on 2 cores, had
+    two ranks place a redistribution before and after a ``contiguous`` (same cost), and
+    the collective check stopped the first backward. So each rank posts its choice, one
+    strategy index per op, and all keep rank 0's (`hca.plan` and the layout pass alike).
+    """
+    if not needs_exchange():
+        return solution.choice
+    mine = ",".join(str(op.strategies.index(solution.choice[op.node])) for op in ops)
+    texts = exchange("layout choice", mine, range(dist.get_world_size()), "the layout solver's choice")
+    theirs = mine if dist.get_rank() == 0 else texts[0]
+    if theirs == mine:
+        return solution.choice
+    picks = theirs.split(",")
+    if len(picks) != len(ops) or not all(int(j) < len(op.strategies) for op, j in zip(ops, picks)):
+        # Rank 0 traced another program: the input check names the difference on the first call.
+        return solution.choice
+    return {op.node: op.strategies[int(j)] for op, j in zip(ops, picks)}
 
 
 def _check_budget(ops: list[Op], budget: float | None) -> None:
