@@ -47,7 +47,7 @@ def emit(gm: fx.GraphModule, example_inputs: list[Any], inner: str, is_backward:
         gm = copy_graph_module(gm)
         if _scatter_by_all_reduce(gm):
             gm.recompile()
-        # A backward compiled later than its forward still draws as eager (pipeline.lower).
+        # Draws through aten's kernels, as the decompositions were chosen (pipeline.lower).
         random_as_eager = inductor_random_as_eager() if graph_draws(gm) else contextlib.nullcontext()
         with inductor_waits_late(), random_as_eager:
             return compile_fx_inner(gm, example_inputs, is_backward=is_backward)

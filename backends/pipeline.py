@@ -160,17 +160,19 @@ def lower(gm: fx.GraphModule, example_inputs: list[Any], ctx: PassContext) -> Ca
         report.inference = True
         return forward_compiler(fw, inputs)
 
-    # Random draws under Inductor: aten's kernels, as one device's eager program draws them.
-    random_as_eager = inductor_random_as_eager() if report.random_draws else contextlib.nullcontext()
+    # Random draws under Inductor: decomposed as aten's kernels, as one device's eager program
+    # draws them (emit compiles each graph that draws under the same flag).
+    with inductor_random_as_eager() if report.random_draws else contextlib.nullcontext():
+        table = decompositions(options.inner)
+    compiler = aot_autograd(
+        fw_compiler=forward_compiler,
+        bw_compiler=backward_compiler,
+        inference_compiler=inference_compiler,
+        partition_fn=partition,
+        decompositions=table,
+    )
     try:
-        with no_donated_buffers(), random_as_eager:  # see there: a silent wrong gradient under Inductor otherwise
-            compiler = aot_autograd(
-                fw_compiler=forward_compiler,
-                bw_compiler=backward_compiler,
-                inference_compiler=inference_compiler,
-                partition_fn=partition,
-                decompositions=decompositions(options.inner),
-            )
+        with no_donated_buffers():  # see there: a silent wrong gradient under Inductor otherwise
             compiled = compiler(gm, example_inputs)
     except HCAError:
         raise

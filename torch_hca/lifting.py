@@ -78,6 +78,7 @@ class Lifted:
         self.decisions: list[str] = []
         self.run_replicated: list[str] = []
         self.draws: list[str] = []  # "node: aten op" of each random draw (torch_hca.randomness)
+        self._drawn: list[str] = []  # the draws recorded while the current node lifts
 
     def run(self, gm: fx.GraphModule) -> bool:
         graph = gm.graph
@@ -95,9 +96,9 @@ class Lifted:
             for node in list(graph.nodes):
                 if node in self.erased:  # a getitem replaced while splitting an op above
                     continue
-                with randomness.recording_draws() as drawn:
+                with randomness.recording_draws() as self._drawn:
                     self._lift(node)
-                self.draws += [f"{node.name}: {op}" for op in dict.fromkeys(drawn)]
+                self.draws += [f"{node.name}: {op}" for op in dict.fromkeys(self._drawn)]
         return True  # no dead-code pass: in-place updates of buffers have no users and must stay
 
     # --------------------------------------------------------------------- one node
@@ -138,16 +139,16 @@ class Lifted:
             self._dropout(node)
             return
         args, kwargs = self._values(node)
+        before = len(self._drawn)  # what `run` records while this node lifts
         try:
-            with randomness.recording_draws() as drawn:
-                value = layout_candidates.call_node(self.gm, node, args, kwargs)
+            value = layout_candidates.call_node(self.gm, node, args, kwargs)
         except UnsupportedError:
             raise
         except Exception as e:  # DTensor has no rule for it: run it whole on every rank
             self._run_replicated(node, f"DTensor has no rule for it ({type(e).__name__}: {str(e).splitlines()[0][:160]})" if str(e)
                                  else f"DTensor has no rule for it ({type(e).__name__})")
             return
-        if drawn:
+        if drawn := self._drawn[before:]:
             raise UnsupportedError(
                 f"lift: {node.name} ({op_name(node)}) draws random numbers ({', '.join(dict.fromkeys(drawn))}) from a "
                 f"value laid out over the mesh; source: {source_line(node)}. Each rank would draw its own piece, not "

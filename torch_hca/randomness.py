@@ -33,6 +33,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .errors import CheckError
+
 # The torch functions the lift pass places as `dtensor_ops.dropout`.
 DROPOUT = (F.dropout,)
 
@@ -57,8 +59,6 @@ def without_dead_draws(backward: fx.GraphModule, what: str) -> fx.GraphModule:
     per step: the next step's masks would no longer be one device's. A draw the backward
     does read would be a mask drawn anew, not the forward's: a `CheckError`.
     """
-    from .errors import CheckError
-
     dead = [n for n in backward.graph.nodes if n.op == "call_function" and draws(n.target) and not n.users]
     for node in reversed(dead):
         backward.graph.erase_node(node)
@@ -111,11 +111,7 @@ def generator_digest(device_type: str) -> str:
     return h.hexdigest()
 
 
-@contextlib.contextmanager
-def generators_kept(device_type: str) -> Iterator[None]:
-    """Put the default generators back after the block (extra runs of a step, compiling)."""
-    states = generator_states(device_type)
-    try:
-        yield
-    finally:
-        set_generator_states(device_type, states)
+def generators_kept(device_type: str):
+    """Put the default generators back after the block (compiling): torch's `fork_rng`."""
+    devices = range(torch.cuda.device_count()) if device_type == "cuda" else []
+    return torch.random.fork_rng(devices=devices)
