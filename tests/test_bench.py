@@ -45,7 +45,7 @@ def run(tmp_path_factory):
     out, traces = folder / "bench.json", folder / "traces"
     proc = subprocess.run(
         [sys.executable, "-m", "torch_hca", "bench", "--tiny", "--models", ",".join(MODELS), "--steps", "1", "--rounds", "2",
-         "--round-ms", "10",
+         "--round-ms", "10", "--hca-options", '{"input_check": "values"}',  # the default: the flag's plumbing
          "--profile", str(traces), "--json", str(out)],
         capture_output=True, text=True, timeout=900,
         # The bench calibrates and caches: in its own folder, not the session's (which stays empty).
@@ -62,6 +62,8 @@ def records(run):
 
 
 def test_every_model_and_contestant_has_a_complete_record(records):
+    assert all(r.get("hca_options") == ({"input_check": "values"} if r["contestant"].startswith("hca") else None)
+               for r in records)
     expected = {(m, c) for m in MODELS for c in CONTESTANTS if applies(specs(tiny=True)[m], c, 2)}
     assert [(r["model"], r["contestant"]) for r in records] == sorted(
         expected, key=lambda mc: (MODELS.index(mc[0]), CONTESTANTS.index(mc[1])))
@@ -277,6 +279,34 @@ def test_hca_dp_keeps_the_plans_storage_and_hca_dp_replicated_does_not(fake_pg):
                                          if isinstance(p, DTensor) and not all(q.is_replicate() for q in p.placements)} == planned
         assert not any(isinstance(p, DTensor) and not all(q.is_replicate() for q in p.placements)
                        for p in build(spec, "hca_dp_replicated", ref, fake_pg, {}).model.parameters())
+
+
+@pytest.mark.parametrize("fake_pg", [2], indirect=True)
+def test_hca_options_reach_every_hca_contestant_under_its_own(fake_pg, monkeypatch):
+    """``--hca-options`` adds knobs; a contestant's defining option (hca_inductor's inner) wins,
+    and a cost model there overrides single figures of the run's."""
+    from torch_hca.tools.bench_models import build
+
+    given = []
+    monkeypatch.setattr(torch, "compile", lambda model, backend=None, options=None: given.append(options) or model)
+    spec = specs(tiny=True)["dp"]
+    extra = {"bucket_cap_mb": 2, "inner": "eager", "cost_model": {"sync_s": 0.0}}
+    for name in ("hca", "hca_inductor", "hca_tune"):
+        build(spec, name, spec.build(), fake_pg, {"launch_s": 1e-3, "sync_s": 5e-4}, extra)
+    assert [(o["bucket_cap_mb"], o["inner"], o.get("layout")) for o in given] == \
+        [(2, "eager", None), (2, "inductor", None), (2, "eager", "tune")]
+    assert all(o["cost_model"] == {"launch_s": 1e-3, "sync_s": 0.0} for o in given)
+    assert extra["cost_model"] == {"sync_s": 0.0}  # the caller's dict is left as it was
+
+
+@pytest.mark.parametrize("given, error", [
+    ("{bucket_cap_mb: 2}", "not JSON"), ("[2]", "must be a JSON object"), ('{"bucket_cap": 2}', "unknown option"),
+])
+def test_bad_hca_options_stop_the_bench_before_it_starts(given, error):
+    from torch_hca.tools.bench import main
+
+    with pytest.raises(SystemExit, match=error):
+        main(models=["dp"], contestants=["hca"], hca_options=given)
 
 
 def test_merge_keeps_each_rounds_slowest_rank():

@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--profile", default=None, metavar="DIR",
                        help="one more step per contestant under torch.profiler: Chrome traces "
                             "DIR/{model}_{contestant}_rank{r}.json and a table of where the step time goes")
+    bench.add_argument("--hca-options", default=None, metavar="JSON",
+                       help="options added to every hca contestant's, as JSON (e.g. '{\"bucket_cap_mb\": 2}'): "
+                            "rerun a comparison under other knobs; recorded per hca record as hca_options")
     args = parser.parse_args(argv)
     if args.command == "bench":
         from .tools.bench import main as bench_main
@@ -51,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         split = lambda s: [v.strip() for v in s.split(",") if v.strip()]
         return bench_main(args.world_size, args.steps, split(args.models), split(args.contestants), args.json,
                           args.tiny, args.default_costs, recalibrate=args.recalibrate, rounds=args.rounds,
-                          profile_dir=args.profile, round_ms=args.round_ms)
+                          profile_dir=args.profile, round_ms=args.round_ms, hca_options=args.hca_options)
     if args.command == "calibrate":
         from .calibrate import calibrate_local
 

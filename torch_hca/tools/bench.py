@@ -43,7 +43,9 @@ from __future__ import annotations
 import json
 import os
 
+from ..errors import HCAError
 from ..launch import launch
+from ..options import Options
 # Also the names tests and users reach through the command's module.
 from .bench_models import ALTERNATIVES, CONTESTANTS, MODELS, _expert, applies, specs  # noqa: F401
 from .bench_profile import BREAKDOWN, step_breakdown, traced_step  # noqa: F401
@@ -54,8 +56,9 @@ from .progress import Progress
 
 def main(world_size: int = 2, steps: int = 5, models=MODELS, contestants=CONTESTANTS, json_path=None,
          tiny: bool = False, default_costs: bool = False, *, recalibrate: bool = False, rounds: int = 1,
-         profile_dir: str | None = None, round_ms: float = 250.0) -> int:
+         profile_dir: str | None = None, round_ms: float = 250.0, hca_options: str | dict | None = None) -> int:
     models, contestants = list(models), list(contestants)
+    hca_options = _hca_options(hca_options)
     for m in models:
         if m not in MODELS:
             raise SystemExit(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
@@ -70,12 +73,14 @@ def main(world_size: int = 2, steps: int = 5, models=MODELS, contestants=CONTEST
         raise SystemExit("--round-ms must be >= 0")
     if profile_dir:
         os.makedirs(profile_dir, exist_ok=True)
+    if hca_options:
+        print(f"hca contestants' options: {json.dumps(hca_options, sort_keys=True)}")
     timed = f"{steps}+ timed" + (f" x {rounds} rounds" if rounds > 1 else "")
     print(f"torch_hca bench: {', '.join(models)} x {', '.join(contestants)} on {world_size} local gloo ranks, "
           f"{'tiny models, ' if tiny else ''}1 warm-up + {timed} + {2 if profile_dir else 1} profiled step(s)\n",
           flush=True)
     cfg = RunConfig(steps, tiny, default_costs, recalibrate, rounds, os.path.abspath(profile_dir) if profile_dir else None,
-                    round_ms / 1e3)
+                    round_ms / 1e3, hca_options)
     progress = Progress("bench")  # one line per model and contestant, on stderr
     progress(f"starting {world_size} local gloo ranks")
     records = merge(launch(run_rank, world_size, models, contestants, cfg, progress.since, timeout_s=1800.0))
@@ -90,3 +95,21 @@ def main(world_size: int = 2, steps: int = 5, models=MODELS, contestants=CONTEST
         print(f"wrote Chrome traces ({{model}}_{{contestant}}_rank{{r}}.json) to {os.path.abspath(profile_dir)}")
     # A wrong gradient is the worst thing a run can show: the exit status says so too.
     return 1 if wrong_gradients(records) else 0
+
+
+def _hca_options(given: str | dict | None) -> dict:
+    """``--hca-options``: a JSON object of backend options, checked here (a typo would
+    otherwise fail every hca row one by one)."""
+    if given is None:
+        return {}
+    try:
+        options = json.loads(given) if isinstance(given, str) else given
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--hca-options is not JSON ({e}); give an object such as '{{\"bucket_cap_mb\": 2}}'")
+    if not isinstance(options, dict):
+        raise SystemExit(f"--hca-options must be a JSON object, not {type(options).__name__}")
+    try:
+        Options.parse(options)
+    except HCAError as e:
+        raise SystemExit(f"--hca-options: {e}")
+    return options

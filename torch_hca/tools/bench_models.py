@@ -201,7 +201,10 @@ class Built:
     split: bool  # whether each rank gets its rows of the batch
 
 
-def build(spec: Spec, contestant: str, ref: nn.Module, mesh, costs: dict) -> Built:
+def build(spec: Spec, contestant: str, ref: nn.Module, mesh, costs: dict, hca_options: dict | None = None) -> Built:
+    """`contestant` on a copy of `ref`; `costs`: the cost model's figures for hca's contestants,
+    `hca_options`: backend options added to theirs (``bench --hca-options``; a cost model there
+    overrides single figures of `costs`)."""
     base, n = copy.deepcopy(ref), mesh.size()
     if contestant in _HCA or contestant in ("dtensor_eager", "dtensor_inductor"):
         plan, split, options = _HCA.get(contestant, (None, None, {}))
@@ -213,7 +216,9 @@ def build(spec: Spec, contestant: str, ref: nn.Module, mesh, costs: dict) -> Bui
         elif contestant == "dtensor_eager":
             run = model
         else:
-            run = torch.compile(model, backend="hca", options={**options, **({"cost_model": costs} if costs else {})})
+            extra = dict(hca_options or {})
+            costs = {**costs, **extra.pop("cost_model", {})}
+            run = torch.compile(model, backend="hca", options={**extra, **options, **({"cost_model": costs} if costs else {})})
         # Each rank's loss covers its rows; hca sums the ranks' gradients.
         return Built(model, run, 1.0 / n if split and spec.split_loss == "mean" else 1.0, split)
     if contestant in ("expert", "expert_inductor"):

@@ -58,11 +58,13 @@ class Contestant:
     """One contestant on one model: built, first step (compile, gradient check), timed
     steps in rounds, then the profiled step(s); `rec` collects what each part measures."""
 
-    def __init__(self, spec: Spec, name: str, ref: nn.Module, mesh, costs: dict):
+    def __init__(self, spec: Spec, name: str, ref: nn.Module, mesh, costs: dict, hca_options: dict | None = None):
         n, rank = mesh.size(), dist.get_rank()
         self.spec, self.mesh = spec, mesh
         self.rec = {"model": spec.name, "contestant": name, "world_size": n, "notes": []}
-        self.built = build(spec, name, ref, mesh, costs)
+        self.built = build(spec, name, ref, mesh, costs, hca_options)
+        if hca_options and name.startswith("hca"):
+            self.rec["hca_options"] = dict(hca_options)
         self.opt = torch.optim.SGD(self.built.model.parameters(), lr=LR)
         self.local = (lambda x: x.chunk(n)[rank]) if self.built.split else (lambda x: x)
         self.times: list[float] = []
@@ -188,6 +190,7 @@ class RunConfig:
     # A model whose steps are short takes more timed steps per round: enough that the median
     # contestant's fill about this many seconds (its steps are a few ms, and this VM's noise is not).
     round_s: float = 0.25
+    hca_options: dict = dataclasses.field(default_factory=dict)  # added to every hca contestant's (--hca-options)
 
 
 _FAILED_KEYS = ("bytes_per_step", "collectives", "step_time_s", "compile_time_s", "peak_mem_bytes", "max_grad_rel_err")
@@ -224,7 +227,7 @@ def _run_model(spec: Spec, contestants: list, cfg: RunConfig, mesh, costs: dict,
         progress(f"{spec.name}: {c} ...")
         rec = {"model": spec.name, "contestant": c, "world_size": n, "notes": []}
         try:
-            entry = Contestant(spec, c, ref, mesh, costs)
+            entry = Contestant(spec, c, ref, mesh, costs, cfg.hca_options)
             rec = entry.rec
             entry.first(batches[0], ref_grads)
             live.append(entry)
