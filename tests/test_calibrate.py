@@ -34,6 +34,7 @@ def test_every_rank_gets_rank_zeros_figures(worlds):
     # about an all_reduce's time, so about half the all_reduce's rate per wire byte.
     assert 1e6 < figures["scatter_bytes_per_s"] < figures["bytes_per_s"]
     assert 0 <= figures["contention"] <= 1
+    assert 0 <= figures["matmul_half_dim"] <= 256  # rows at which a matmul runs at half its peak rate
 
 
 class _Thread:
@@ -104,3 +105,19 @@ def test_latency_and_bandwidth_are_the_line_through_the_all_reduces():
     slope, intercept = cal._line(wires, [1e-3 + w / 2e9 for w in wires])
     assert slope == pytest.approx(1 / 2e9) and intercept == pytest.approx(1e-3)
     assert cal._line([1.0, 1.0], [2.0, 3.0]) == (0.0, 2.5)  # no spread: no slope to read
+
+
+@pytest.mark.parametrize("h", [0.0, 8.0, 40.0])
+def test_matmul_half_dim_is_the_h_that_fits_both_rates(monkeypatch, h):
+    """Times of x @ w at 16 and 256 rows whose rates are d / (d + h) of one peak give back h."""
+    cal = importlib.import_module("torch_hca.calibrate")
+    peak = 1e11
+    seconds = lambda rows: 2 * rows * 512 * 512 / (peak * rows / (rows + h))
+    monkeypatch.setattr(cal, "_typical_in_turn_s", lambda fns, repeats: [seconds(16), seconds(256)])
+    assert cal._matmul_half_dim(torch.device("cpu"), lambda: None, 3) == pytest.approx(h, abs=1e-9)
+
+
+def test_matmul_half_dim_is_zero_where_small_matmuls_are_not_slower(monkeypatch):
+    cal = importlib.import_module("torch_hca.calibrate")
+    monkeypatch.setattr(cal, "_typical_in_turn_s", lambda fns, repeats: [1.0, 17.0])  # 16 rows faster per row
+    assert cal._matmul_half_dim(torch.device("cpu"), lambda: None, 3) == 0.0

@@ -17,7 +17,7 @@ from torch_hca.spmd.cost_model import CACHE_FILE, cache_dir, cached_calibration,
 
 FIGURES = {"launch_s": 2e-4, "alpha_s": 0.0, "bytes_per_s": 1.5e9, "flops_per_s": 9e10, "memory_bytes_per_s": 2e10, "sync_s": 1e-3,
            "op_s": 7e-6, "call_s": 5e-4, "param_s": 4e-5, "gather_bytes_per_s": 1.1e9, "scatter_bytes_per_s": 0.7e9,
-           "contention": 0.4}
+           "contention": 0.4, "matmul_half_dim": 8.0}
 
 
 @pytest.fixture

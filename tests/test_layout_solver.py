@@ -225,3 +225,25 @@ def test_language_model_compiles_in_one_graph_without_strided_shards(fake_pg):
     rep = compile_and_step(model, torch.randint(0, 64, (8, 64)))
     assert len(rep.graphs) == 1
     assert not any("_StridedShard" in str(v["placements"]) for v in rep.graph.values.values())
+
+
+def test_a_linears_compute_is_priced_at_its_pieces_smallest_dimension(fake_pg, monkeypatch):
+    """With matmul_half_dim h the solver prices each strategy of a Linear(16, 16) on 4 rows a
+    rank at d / (d + h) of the rate, d the smallest of this rank's rows, reduction and width:
+    the batch split leaves 4 rows, the whole op min(4n, 16)."""
+    built, build_ops = [], layout_candidates.build_ops
+    monkeypatch.setattr(layout_candidates, "build_ops", lambda *a, **k: built.append(build_ops(*a, **k)) or built[-1])
+    for extra in ({}, {"matmul_half_dim": 8}):
+        torch._dynamo.reset()
+        model = hca.sharded({}, inputs=Shard(0), outputs=Shard(0))(nn.Linear(16, 16))
+        compile_and_step(model, torch.randn(4, 16), cost_model={"memory_bytes_per_s": 1e30, **extra})
+    flat, scaled = [{(st.inputs, st.output): st.compute_s for op in ops if op.node.target is torch._C._nn.linear
+                     for st in op.strategies} for ops in built]
+    assert flat.keys() == scaled.keys()
+    n = hca.current_mesh().size()
+    split = ((Shard(0),), (Replicate(),), (Replicate(),)), (Shard(0),)
+    whole = ((Replicate(),), (Replicate(),), (Replicate(),)), (Replicate(),)
+    assert scaled[split] == pytest.approx(flat[split] * (4 + 8) / 4)
+    d = min(4 * n, 16)
+    assert scaled[whole] == pytest.approx(flat[whole] * (d + 8) / d)
+    assert flat[whole] == pytest.approx(n * flat[split])  # without h, a rank's share of the rows costs its share

@@ -314,3 +314,23 @@ def test_sync_is_paid_per_collective_but_does_not_grow_buckets():
     synced = CostModel(**{**base.as_dict(), "sync_s": 2e-3})
     assert close(synced.collective_s(Kind.ALL_REDUCE, 1024, 2), base.collective_s(Kind.ALL_REDUCE, 1024, 2) + 2e-3)
     assert synced.bucket_cap_bytes(2) == pytest.approx(base.bucket_cap_bytes(2))
+
+
+def test_a_matmul_runs_at_its_smallest_dimensions_share_of_the_rate():
+    """With matmul_half_dim h, an mm whose smallest dimension is d runs at d / (d + h) of
+    flops_per_s; elementwise ops and a model without h are unchanged."""
+    import dataclasses
+
+    from torch_hca.timeline import op_seconds
+
+    slow = dataclasses.replace(COSTS, matmul_half_dim=8.0)
+    b = Builder()
+    thin = b.op(aten.mm.default, b.op(aten.relu.default, b.x, val=torch.empty(8, N, device="meta")), b.x,
+                val=torch.empty(8, N, device="meta"))
+    wide = b.op(aten.addmm.default, b.x, b.x, b.x)
+    relu = thin.args[0]
+    flops = 2 * 8 * N * N
+    assert close(op_seconds(thin, COSTS), flops / COSTS.flops_per_s)
+    assert close(op_seconds(thin, slow), flops / COSTS.flops_per_s * (8 + 8) / 8)  # rows: 8
+    assert close(op_seconds(wide, slow), op_seconds(wide, COSTS) * (N + 8) / N)  # addmm: its operands after the bias
+    assert close(op_seconds(relu, slow), op_seconds(relu, COSTS))

@@ -21,6 +21,9 @@ defaults are rough. This measures, on the current process group and device:
   * compute: a training step of a small MLP (4 x Linear(256, 256) + ReLU on 256 rows,
     forward and backward: 11 matmuls' FLOPs over its median time, so the rate includes
     what a step pays besides the matmuls, on all ranks at once as in a step);
+  * ``matmul_half_dim``: `x @ w` (`w` 512 x 512) at 16 and 256 rows, timed in turn: the h
+    for which the rate ``d / (d + h)`` of the peak fits both (``flops_per_s`` is then the
+    MLP step's rate over its 256-wide matmuls' share, ``256 / (256 + h)``);
   * ``contention``: a 4 MiB all_reduce issued asynchronously before enough MLP steps
     to outlast it, then waited: the time beyond the steps alone, over the all_reduce
     alone (the three timed in turn), between 0 (overlap hides the collective) and 1
@@ -289,7 +292,7 @@ def _measure(repeats: int) -> dict[str, float]:
         lambda: dist.all_gather_single(out, tiny),
         lambda: dist.all_reduce(tiny),
         *(lambda t=torch.ones(k, device=device): dist.all_reduce(t) for k in sizes),
-        lambda: dist.all_gather_into_tensor(big, piece),
+        lambda: dist.all_gather_single(big, piece),
         lambda: _reduce_scatter_as_emitted(bucket, piece),
     ]
     dist.barrier()  # every rank runs them in the same turn: each call is matched on every rank
@@ -298,6 +301,7 @@ def _measure(repeats: int) -> dict[str, float]:
     step, step_flops = _mlp_step(device)
     dist.barrier()
     step_s = _median_s(lambda: (step(), sync()), max(repeats // 2, 3))
+    half_dim = _matmul_half_dim(device, sync, repeats)
     synced_s = _after_compute_s(lambda: dist.all_gather_single(out, tiny), step, sync, max(repeats // 2, 3))
     dist.barrier()
     contention = _contention(step, step_s, lambda: dist.all_reduce(bucket, async_op=True), reduce_times[-1],
@@ -323,7 +327,8 @@ def _measure(repeats: int) -> dict[str, float]:
     measured = {
         "launch_s": launch, "alpha_s": alpha,
         "bytes_per_s": 1.0 / seconds_per_byte,
-        "flops_per_s": step_flops / step_s,
+        # The MLP's matmuls are 256 wide: its rate over their share of the large matmuls' rate.
+        "flops_per_s": step_flops / step_s * (256 + half_dim) / 256, "matmul_half_dim": half_dim,
         "memory_bytes_per_s": 2 * src.numel() * 4 / copy_s,  # read and write
         "op_s": op_s, "sync_s": sync, "call_s": 0.0, "contention": contention,
         "gather_bytes_per_s": rate(Kind.ALL_GATHER, big_gather_s),
@@ -333,6 +338,19 @@ def _measure(repeats: int) -> dict[str, float]:
     figures = torch.tensor([measured[k] for k in FIELDS], dtype=torch.float64, device=device)
     dist.broadcast(figures, src=0)
     return dict(zip(FIELDS, (float(x) for x in figures.tolist())))
+
+
+def _matmul_half_dim(device: torch.device, sync: Callable[[], None], repeats: int) -> float:
+    """h of the cost model's matmul rate ``d / (d + h)``: `x @ w` (`w` 512 x 512) at 16 and at
+    256 rows, timed in turn; 0 where the small one is no slower per FLOP (at most 256)."""
+    w = torch.randn(512, 512, device=device)
+    small, large = torch.randn(16, 512, device=device), torch.randn(256, 512, device=device)
+    small_s, large_s = _typical_in_turn_s([lambda: (small @ w, sync()), lambda: (large @ w, sync())], 2 * repeats)
+    q = (16 * large_s) / (256 * small_s)  # the rate at 16 rows over the rate at 256
+    if q >= 1.0:
+        return 0.0
+    # q = (16 / (16 + h)) / (256 / (256 + h)), solved for h.
+    return min(4096.0 * (1.0 - q) / max(256.0 * q - 16.0, 1e-9), 256.0)
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:

@@ -249,6 +249,25 @@ def _flops(node: fx.Node, inputs: list[Any], out: DTensor) -> float:
     return float(out.numel())
 
 
+def _smallest_matmul_dim(inputs: list[Any], out: Any, layouts: tuple[Layout, ...], out_layout: Layout,
+                         mesh_shape: tuple[int, ...]) -> float | None:
+    """The smallest of a matmul's rows, reduction and output width on one rank under these
+    layouts (the cost model's matmul rate grows with it). Its backward's two matmuls have
+    the same three dimensions, so one figure serves the forward and backward."""
+    if not (inputs and layouts and getattr(inputs[0], "ndim", 0) >= 1 and getattr(out, "ndim", 0) >= 1):
+        return None
+    x = local_shape(inputs[0].shape, _normalized(layouts[0], inputs[0].ndim), mesh_shape)
+    y = local_shape(out.shape, _normalized(out_layout, out.ndim), mesh_shape)
+    # Against a 2-D weight every leading dimension is a row (F.linear, x @ w); a batched matmul's rows are its own.
+    weight = len(inputs) > 1 and getattr(inputs[1], "ndim", 0) == 2
+    rows = math.prod(y[:-1]) if weight else (y[-2] if len(y) >= 2 else 1)
+    return float(min(rows, x[-1], y[-1]))
+
+
+def _normalized(layout: Layout, ndim: int) -> Layout:
+    return tuple(Shard(p.dim % ndim) if isinstance(p, Shard) else p for p in layout)
+
+
 # ----------------------------------------------------------------------------- the program as ops
 
 
@@ -346,7 +365,8 @@ def _probe_op(gm, node, slots, value, mesh, model: CostModel, storage_of, ops: d
             continue
         varying = tuple(not all(isinstance(l[m], Replicate) for l in (*layouts, out)) for m in range(mesh.ndim))
         split = math.prod(n for n, v in zip(mesh.shape, varying) if v)
-        compute = 0.0 if node.target in VIEWS else 3.0 * model.compute_s(flops / split, touched / split)
+        smallest = _smallest_matmul_dim(inputs, value, layouts, out, mesh.shape) if node.target in MATMULS else None
+        compute = 0.0 if node.target in VIEWS else 3.0 * model.compute_s(flops / split, touched / split, smallest)
         memory = 0.0 if node.target in VIEWS else value_bytes(value) / math.prod(split_factor(p, n) for p, n in zip(out, mesh.shape))
         strategies.append(Strategy(tuple(layouts), out, varying, compute, memory))
     if not strategies:

@@ -50,7 +50,7 @@ class Options:
       fallback takes over (default 10).
     cost_model: overrides of `torch_hca.spmd.cost_model.CostModel` fields
       (launch_s, alpha_s, bytes_per_s, flops_per_s, memory_bytes_per_s, op_s, sync_s, call_s,
-      param_s, gather_bytes_per_s, scatter_bytes_per_s, contention)
+      param_s, gather_bytes_per_s, scatter_bytes_per_s, contention, matmul_half_dim)
       on top of this host's cached calibration (``hca.calibrate(cache=True)``,
       ``python -m torch_hca calibrate``) or, without one, the defaults.
     schedule: reorder (start collectives early, wait late) and bucket

@@ -182,7 +182,22 @@ def op_seconds(node: fx.Node, costs: CostModel) -> float:
         return 0.0
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
     touched = sum(_nbytes(t) for t in _tensors((args, kwargs))) + sum(_nbytes(t) for t in _tensors(out))
-    return costs.compute_s(_flops(op, args, kwargs, out), float(touched))
+    return costs.compute_s(_flops(op, args, kwargs, out), float(touched), _smallest_matmul_dim(op, args, out))
+
+
+# The aten matmuls whose rate the cost model scales by their smallest dimension, and the
+# position of their first operand (addmm and baddbmm take the added term first).
+_MATMULS = {torch.ops.aten.mm.default: 0, torch.ops.aten.bmm.default: 0,
+            torch.ops.aten.addmm.default: 1, torch.ops.aten.baddbmm.default: 1}
+
+
+def _smallest_matmul_dim(op: torch._ops.OpOverload, args, out) -> float | None:
+    """The smallest of an aten matmul's rows, reduction and output width (None: not a matmul)."""
+    first = _MATMULS.get(op)
+    if first is None or not isinstance(out, torch.Tensor) or out.dim() < 2 or len(args) <= first:
+        return None
+    a = args[first]
+    return float(min(out.shape[-2], a.shape[-1], out.shape[-1])) if isinstance(a, torch.Tensor) else None
 
 
 # ------------------------------------------------------------ the player

@@ -36,6 +36,13 @@ own; the emitter runs one as an all_reduce, which sends twice the ring's bytes):
 | gather_bytes_per_s | 0 (bytes_per_s) | 0           |
 | scatter_bytes_per_s| 0.5e9           | 0           |
 | contention         | 0               | 0           |
+| matmul_half_dim    | 0               | 0           |
+
+``matmul_half_dim`` (h, default 0: off) makes a matmul's rate grow with its smallest
+dimension d (rows, reduction or output width, this rank's piece): ``flops_per_s * d / (d + h)``,
+so ``flops_per_s`` is the rate of large matmuls. On one core of the 2-core VM `x @ w` with
+`w` 512 x 512 ran at 48, 73, 84 and 91 GFLOP/s at 8, 32, 64 and 128 rows (h about 8):
+splitting a batch of 64 rows over two ranks does not halve each one's matmul time.
 
 ``contention`` is for the timeline: while a collective runs, compute runs at
 ``1 - contention`` of its speed (`torch_hca.timeline`). Calibration measures it:
@@ -98,6 +105,9 @@ class CostModel:
     # The share of its own time a collective takes from compute while both run: the transport's
     # threads use the cores compute runs on (1: no core to spare, overlap hides nothing; 0: none).
     contention: float = 0.0
+    # The smallest matmul dimension at which a matmul runs at half of flops_per_s (0: the rate
+    # does not depend on the shape). Small pieces of a split batch run below the peak rate.
+    matmul_half_dim: float = 0.0
 
     def collective_s(self, kind: Kind, payload_bytes: float, n: int) -> float:
         """Seconds for one collective of `kind` on `payload_bytes` over `n` ranks."""
@@ -113,9 +123,17 @@ class CostModel:
         own = {Kind.ALL_GATHER: self.gather_bytes_per_s, Kind.REDUCE_SCATTER: self.scatter_bytes_per_s}.get(kind)
         return RULES[kind].wire_bytes(payload_bytes, n) / (own or self.bytes_per_s)
 
-    def compute_s(self, flops: float, bytes_touched: float) -> float:
-        """Seconds for one op: the slower of its arithmetic and its memory traffic."""
-        return max(flops / self.flops_per_s, bytes_touched / self.memory_bytes_per_s)
+    def compute_s(self, flops: float, bytes_touched: float, smallest_dim: float | None = None) -> float:
+        """Seconds for one op: the slower of its arithmetic and its memory traffic; a matmul
+        gives its smallest dimension (this rank's piece), whose rate `matmul_efficiency` scales."""
+        rate = self.flops_per_s * self.matmul_efficiency(smallest_dim)
+        return max(flops / rate, bytes_touched / self.memory_bytes_per_s)
+
+    def matmul_efficiency(self, smallest_dim: float | None) -> float:
+        """The share of `flops_per_s` a matmul whose smallest dimension is `smallest_dim` runs at."""
+        if not self.matmul_half_dim or not smallest_dim or smallest_dim <= 0:
+            return 1.0
+        return smallest_dim / (smallest_dim + self.matmul_half_dim)
 
     def bucket_cap_bytes(self, n: int, latency_share: float = 0.1) -> float:
         """The bucket size whose all_reduce spends `latency_share` of its time on latency.
@@ -200,7 +218,7 @@ def with_overrides(model: CostModel, overrides: Mapping[str, Any] | None) -> Cos
     for key, value in overrides.items():
         # Latencies may be 0, and the kinds' own rates (0: bytes_per_s); other rates may not.
         may_be_zero = key in ("launch_s", "alpha_s", "op_s", "sync_s", "call_s", "param_s", "gather_bytes_per_s",
-                              "scatter_bytes_per_s", "contention")
+                              "scatter_bytes_per_s", "contention", "matmul_half_dim")
         if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
                 or value < 0 or (value == 0 and not may_be_zero)):
             raise OptionsError(
