@@ -487,3 +487,12 @@ def second_mesh_of_one_shape() -> list[bool]:
         w = distribute_tensor(torch.ones(4, 4), mesh, (Replicate(), Shard(1)))
         out.append((x @ w).device_mesh is mesh)
     return out
+
+
+def ddp_bucket_and_parameter_bytes() -> tuple[int, int]:
+    """(`_torch_private.ddp_bucket_bytes` of a DDP module after one step, its parameters' bytes)."""
+    from torch_hca._torch_private import ddp_bucket_bytes
+
+    model = nn.parallel.DistributedDataParallel(zoo.DeepMLP(16, 3))
+    model(torch.randn(2, 16)).sum().backward()
+    return ddp_bucket_bytes(model), sum(p.numel() * p.element_size() for p in model.parameters())
