@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from . import dtensor_ops
 from ._torch_private import quiet_cpu_alltoall_fallback, record_implicit_redistributions
-from .spmd.cost_model import CostModel
+from .spmd.cost_model import CostModel, smallest_matmul_dim
 from .spmd.placements import letter
 from .errors import UnsupportedError
 from .logical import local_shape
@@ -251,21 +251,13 @@ def _flops(node: fx.Node, inputs: list[Any], out: DTensor) -> float:
 
 def _smallest_matmul_dim(inputs: list[Any], out: Any, layouts: tuple[Layout, ...], out_layout: Layout,
                          mesh_shape: tuple[int, ...]) -> float | None:
-    """The smallest of a matmul's rows, reduction and output width on one rank under these
-    layouts (the cost model's matmul rate grows with it). Its backward's two matmuls have
-    the same three dimensions, so one figure serves the forward and backward."""
+    """`smallest_matmul_dim` of this rank's pieces under these layouts. The backward's two
+    matmuls have the same three dimensions, so one figure serves the forward and backward."""
     if not (inputs and layouts and getattr(inputs[0], "ndim", 0) >= 1 and getattr(out, "ndim", 0) >= 1):
         return None
-    x = local_shape(inputs[0].shape, _normalized(layouts[0], inputs[0].ndim), mesh_shape)
-    y = local_shape(out.shape, _normalized(out_layout, out.ndim), mesh_shape)
-    # Against a 2-D weight every leading dimension is a row (F.linear, x @ w); a batched matmul's rows are its own.
-    weight = len(inputs) > 1 and getattr(inputs[1], "ndim", 0) == 2
-    rows = math.prod(y[:-1]) if weight else (y[-2] if len(y) >= 2 else 1)
-    return float(min(rows, x[-1], y[-1]))
-
-
-def _normalized(layout: Layout, ndim: int) -> Layout:
-    return tuple(Shard(p.dim % ndim) if isinstance(p, Shard) else p for p in layout)
+    against_weight = len(inputs) > 1 and getattr(inputs[1], "ndim", 0) == 2
+    return smallest_matmul_dim(local_shape(inputs[0].shape, layouts[0], mesh_shape),
+                               local_shape(out.shape, out_layout, mesh_shape), against_weight)
 
 
 # ----------------------------------------------------------------------------- the program as ops

@@ -55,7 +55,7 @@ from torch.utils.flop_counter import flop_registry
 
 from . import _torch_private
 from .spmd.collective_kinds import OPS, WAIT, node_group, node_payload
-from .spmd.cost_model import CostModel
+from .spmd.cost_model import CostModel, smallest_matmul_dim
 from .errors import HCAError
 
 COMPUTE = "compute"
@@ -192,12 +192,12 @@ _MATMULS = {torch.ops.aten.mm.default: 0, torch.ops.aten.bmm.default: 0,
 
 
 def _smallest_matmul_dim(op: torch._ops.OpOverload, args, out) -> float | None:
-    """The smallest of an aten matmul's rows, reduction and output width (None: not a matmul)."""
+    """`smallest_matmul_dim` of an aten matmul (None: not a matmul)."""
     first = _MATMULS.get(op)
     if first is None or not isinstance(out, torch.Tensor) or out.dim() < 2 or len(args) <= first:
         return None
     a = args[first]
-    return float(min(out.shape[-2], a.shape[-1], out.shape[-1])) if isinstance(a, torch.Tensor) else None
+    return smallest_matmul_dim(a.shape, out.shape, against_weight=False) if isinstance(a, torch.Tensor) else None
 
 
 # ------------------------------------------------------------ the player

@@ -67,7 +67,7 @@ import os
 import socket
 import tempfile
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,6 +160,14 @@ class CostModel:
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
+
+
+def smallest_matmul_dim(first: Sequence[int], out: Sequence[int], against_weight: bool) -> float:
+    """The smallest of a matmul's rows, reduction (its first operand's last dimension) and
+    output width: what `CostModel.matmul_efficiency` reads. Against a 2-D weight (F.linear,
+    x @ w) every leading dimension of the output is a row; a batched matmul's rows are its own."""
+    rows = math.prod(out[:-1]) if against_weight else (out[-2] if len(out) >= 2 else 1)
+    return float(min(rows, first[-1], out[-1]))
 
 
 DEFAULTS: dict[str, CostModel] = {
