@@ -25,8 +25,9 @@ from functorch.compile import make_boxed_func
 
 from torch_hca._torch_private import (copy_graph_module, group_backend, group_rank, inductor_random_as_eager,
                                    inductor_waits_late)
-from torch_hca.randomness import graph_draws
-from torch_hca.passes.events import UNANNOTATED_VIEWS, is_view, written
+from torch_hca.compiler.randomness import graph_draws
+from torch_hca.spmd.events import is_view, written
+from torch_hca.spmd.op_families import UNANNOTATED_VIEWS
 from torch_hca.spmd.cost_model import scatter_runs_as_all_reduce
 
 _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default

@@ -12,7 +12,7 @@ import torch.fx as fx
 
 from torch_hca._torch_private import dynamo_fallback_exceptions
 from torch_hca.errors import UnsupportedError
-from torch_hca.options import Options
+from torch_hca.compiler.options import Options
 
 from .pipeline import compile_graph
 

@@ -1,6 +1,6 @@
 """The backend pipeline for one Dynamo graph.
 
-    Dynamo graph (the logical program, torch_hca.logical) --lift--> replicated DTensor program
+    Dynamo graph (the logical program, torch_hca.compiler.logical) --lift--> replicated DTensor program
       --layout--> DTensor program
       --origins--> every node tagged
       --AOTAutograd--> joint graph --transpose--> --collective rewrites--> --backward kept--> partition
@@ -26,16 +26,16 @@ from torch._dynamo.backends.common import aot_autograd
 from torch.distributed.tensor import DTensor
 
 from torch_hca._torch_private import graph_arg_example, group_size, inductor_random_as_eager, no_donated_buffers
-from torch_hca.agreement import InputAgreement
+from torch_hca.compiler.checks.agreement import InputAgreement
 from torch_hca.spmd.collective_kinds import OPS, RULES, node_group, node_payload
-from torch_hca.options import Options
-from torch_hca.plan import parameter_name
+from torch_hca.compiler.options import Options
+from torch_hca.compiler.parameters import parameter_name
 from torch_hca.errors import HCAError, UnsupportedError
-from torch_hca.lifting import dtensor_failure
-from torch_hca.randomness import generators_kept, without_dead_draws
-from torch_hca.spmd_check import check_same_collectives
-from torch_hca.refinement import check_refinement
-from torch_hca.report import CollectiveRecord, CompileReport, GraphReport, new_graph_report, next_graph_index
+from torch_hca.compiler.lifting import dtensor_failure
+from torch_hca.compiler.randomness import generators_kept, without_dead_draws
+from torch_hca.compiler.checks.spmd_check import check_same_collectives
+from torch_hca.compiler.checks.refinement import check_refinement
+from torch_hca.report.compile_report import CollectiveRecord, CompileReport, GraphReport, new_graph_report, next_graph_index
 from torch_hca.spmd.placements import layout_str
 from torch_hca.passes.collective_rewrites import REWRITE, CollectiveRewritePass, agree_across_ranks, no_rank_rewrites
 from torch_hca.passes.infra import PassContext, dump, run_pass
@@ -204,7 +204,7 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
 
 def _agreed(compiled: Callable, agreement: InputAgreement, forward_communicates: bool = True) -> Callable:
     """`compiled`, whose result is returned only once every rank agrees on the program and its
-    inputs (torch_hca.agreement). A forward that issues no collective cannot hang on a
+    inputs (torch_hca.compiler.checks.agreement). A forward that issues no collective cannot hang on a
     mismatch, so it runs while the peers' posts arrive; one that does runs after the check."""
 
     def run(*args):

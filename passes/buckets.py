@@ -55,7 +55,7 @@ import torch.fx as fx
 from torch_hca._torch_private import fake_mode_of
 from torch_hca.spmd.collective_kinds import OPS, WAIT, node_payload
 
-from .events import late_nodes
+from torch_hca.spmd.events import late_nodes
 from .transpose import PARTNER, RULE
 
 aten = torch.ops.aten

@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_map_only
 from torch_hca._torch_private import fake_mode_of, group_rank, group_size
 from torch_hca.spmd.collective_kinds import OPS, WAIT
 from torch_hca.errors import CheckError
-from torch_hca.exchange import exchange, needs_exchange
+from torch_hca.runtime.exchange import exchange, needs_exchange
 
 from .infra import PassContext, PassResult
 
@@ -327,7 +327,7 @@ def agree_across_ranks(keys: list[str]) -> set[str]:
 
     Needs no exchange without a process group, with one rank, or on the fake
     process group (one rank standing for all; graph-only work). The ranks post
-    56-bit hashes of their keys through `torch_hca.exchange` (text, no pickle,
+    56-bit hashes of their keys through `torch_hca.runtime.exchange` (text, no pickle,
     no collective at compile time; a rank that never posts is an error after
     the mesh's timeout, not a hang). Like torch's own compile-time exchanges it
     assumes every rank compiles the same graphs in the same order; hence opt-in

@@ -13,8 +13,8 @@ import torch.fx as fx
 
 from torch_hca._torch_private import structured_trace_enabled, trace_artifact
 from torch_hca.errors import CheckError
-from torch_hca.options import Options
-from torch_hca.report import GraphReport, PassRecord
+from torch_hca.compiler.options import Options
+from torch_hca.report.compile_report import WIDTH, GraphReport, PassRecord, readable_code
 
 
 @dataclass
@@ -49,6 +49,22 @@ class Pass(Protocol):
 # shows the graphs. A module name, not a registered artifact: torch reads TORCH_LOGS
 # during `import torch`, before any other package could register an artifact name.
 log = logging.getLogger(__name__)
+# The widest line of a logged text: with torch's prefix (rank, level, time, pid, file:line,
+# compile id, about 70 characters) a log line stays under 200. debug_dir keeps the text whole.
+LOG_WIDTH = WIDTH
+
+
+def for_log(text: str, suffix: str = "py", width: int = LOG_WIDTH) -> str:
+    """`text` with no line wider than `width`: code cut where Python allows, anything else cut hard."""
+    if suffix == "py":
+        text = readable_code(text, width)
+    lines = []
+    for line in text.splitlines():
+        while len(line) > width:
+            lines.append(line[:width - 2] + " \\")
+            line = "    " + line[width - 2:]
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def dump(ctx: PassContext, stage: str, text: str | Callable[[], str], suffix: str = "py") -> None:
@@ -79,7 +95,7 @@ def dump(ctx: PassContext, stage: str, text: str | Callable[[], str], suffix: st
     else:
         ctx.last_published, body, sep = (name, text), text.strip("\n"), "\n"
     if to_log:
-        log.debug("hca %s:%s%s", name, sep, body)
+        log.debug("hca %s:%s%s", name, sep, body if sep == " " else for_log(body, suffix))
     if to_trace:
         trace_artifact(f"hca_{name}", "json" if suffix == "json" else "string", lambda: body)
 

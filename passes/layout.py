@@ -1,7 +1,7 @@
 """Layout pass: a placement for every value, chosen globally, every move an explicit node.
 
 With ``layout="solve"`` (the default) the layout solver
-(`torch_hca.layout_solver`) picks each op's input and output layouts for the
+(`torch_hca.compiler.layout.solver`) picks each op's input and output layouts for the
 whole graph at once, by cost; the pass inserts a `dtensor_ops.redistribute`
 node wherever a value is read in another layout than it was written in.
 With ``layout="dtensor"`` DTensor's own per-op choices are kept.
@@ -25,7 +25,9 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from torch_hca import dtensor_ops, layout_candidates, layout_solver
+from torch_hca.compiler import dtensor_ops
+from torch_hca.compiler.layout import candidates as layout_candidates
+from torch_hca.compiler.layout import solver as layout_solver
 from torch_hca._torch_private import (
     RedistributionEvent, fake_dtensor_work, graph_arg_example, is_mask_partial, mask_buffer_states,
     record_implicit_redistributions,
@@ -33,8 +35,8 @@ from torch_hca._torch_private import (
 from torch_hca.spmd.collective_kinds import move_kind
 from torch_hca.spmd.placements import letter
 from torch_hca.errors import UnsupportedError
-from torch_hca.plan import parameter_name
-from torch_hca.report import Redistribution
+from torch_hca.compiler.parameters import parameter_name
+from torch_hca.report.compile_report import Redistribution
 from torch_hca.spmd.placements import layout_str
 
 from .infra import PassContext, PassResult

@@ -1,4 +1,4 @@
-"""Lift pass: the logical program Dynamo traced becomes a DTensor program (`torch_hca.lifting`).
+"""Lift pass: the logical program Dynamo traced becomes a DTensor program (`torch_hca.compiler.lifting`).
 
 Parameters and arguments enter in their stated layouts, every other value is
 replicated until the layout pass places it.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from torch_hca.lifting import lift
+from torch_hca.compiler.lifting import lift
 
 from .infra import PassContext, PassResult
 

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from torch_hca import dtensor_ops
+from torch_hca.compiler import dtensor_ops
 from torch_hca._torch_private import set_origin
 from torch_hca.spmd.collective_kinds import Kind, backward_kinds, move_kind
+from torch_hca.report.compile_report import module_path
 from torch_hca.spmd.placements import letter
 
 from .infra import PassContext, PassResult
@@ -37,6 +38,11 @@ class Origin:
     output: tuple[str, ...] | None       # the layout it writes (None: not a DTensor)
     module: str = ""                     # the module path it came from, if Dynamo recorded one
     local_view: bool = False             # a traced autograd.Function (hca.collectives): its own backward
+    mesh_names: tuple[str, ...] = ()     # the mesh's dimension names, where it has them
+
+    def dim_label(self, dim: int) -> str:
+        """``mesh dim 'tp'`` where the mesh names its dimensions, else ``mesh dim 0``."""
+        return f"mesh dim {self.mesh_names[dim]!r}" if dim < len(self.mesh_names) else f"mesh dim {dim}"
 
     def transition(self, dim: int) -> list[tuple[str, str]]:
         """(src, dst) on mesh dim `dim` for each input: how this node changes that dimension.
@@ -69,7 +75,7 @@ class Origin:
         if self.local_view or dim is None:
             return f"{self.name} ({self.op}{', ' + self.module if self.module else ''})"
         moves = sorted({f"{s} -> {d}" for s, d in self.transition(dim)})
-        return f"{self.name} ({self.op}{', ' + self.module if self.module else ''}; mesh dim {dim}: {', '.join(moves)})"
+        return f"{self.name} ({self.op}{', ' + self.module if self.module else ''}; {self.dim_label(dim)}: {', '.join(moves)})"
 
 
 @dataclass
@@ -101,7 +107,15 @@ def _bodies(gm: fx.GraphModule, node: fx.Node) -> list[fx.GraphModule]:
 
 def _module(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
-    return next(reversed(stack.values()))[0] if stack else ""
+    return module_path(next(reversed(stack.values()))[0]) if stack else ""
+
+
+def _mesh_names(gm: fx.GraphModule) -> tuple[str, ...]:
+    for node in gm.graph.nodes:
+        mesh = getattr(node.meta.get("example_value"), "device_mesh", None)
+        if mesh is not None:
+            return tuple(mesh.mesh_dim_names or ())
+    return ()
 
 
 class OriginPass:
@@ -110,7 +124,7 @@ class OriginPass:
     writes = "the same program, every call node tagged with its name (node.meta['custom'])"
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        origins = Origins()
+        origins, names = Origins(), _mesh_names(gm)
         for node in gm.graph.nodes:
             if node.op not in ("call_function", "call_method", "call_module"):
                 continue
@@ -128,7 +142,7 @@ class OriginPass:
             else:
                 output = _layout(value)
             origins.nodes[node.name] = Origin(node.name, _op(node), inputs, output, _module(node),
-                                              local_view=bool(_bodies(gm, node)))
+                                              local_view=bool(_bodies(gm, node)), mesh_names=names)
             mesh = getattr(value, "device_mesh", None)
             if mesh is not None and not origins.dims:
                 origins.dims = {mesh.get_group(d).group_name: d for d in range(mesh.ndim)}

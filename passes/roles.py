@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.distributed.tensor import Replicate
 
-from torch_hca import dtensor_ops
+from torch_hca.compiler import dtensor_ops
 from torch_hca._torch_private import graph_arg_example
-from torch_hca.plan import parameter_name, parameter_role
+from torch_hca.compiler.parameters import parameter_name, parameter_role
 
 from .infra import PassContext, PassResult
 

@@ -23,7 +23,7 @@ The order depends only on the graph (positions and names), never on the rank
 or on object ids, so every rank computes the same one. Bucketing
 (`torch_hca.passes.buckets`) runs first and is a rewrite, not a swap.
 
-The result is checked by the independent checker (`check_schedule`), and the
+The result is checked by the independent checker (`schedule_check.check_reorder`), and the
 report records, per graph: ``order``, ``per_group`` and ``fingerprint`` (the
 checker's), ``before`` (a copy of the graph as traced, for the timeline),
 ``buckets`` and ``moved``.
@@ -57,25 +57,13 @@ import torch.fx as fx
 from torch_hca._torch_private import copy_graph_module, group_size
 from torch_hca.spmd.collective_kinds import OPS, WAIT, node_group, node_payload
 from torch_hca.errors import CheckError
-from torch_hca.schedule_check import ScheduleSummary, check_reorder
+from torch_hca.compiler.checks.schedule_check import ScheduleSummary, check_reorder
 
 from .buckets import bucket_collectives
-from .events import is_start, is_view, late_nodes, waits_of, written
+from torch_hca.spmd.events import is_start, is_view, late_nodes, waits_of, written
 from .infra import PassContext, PassResult
 
 MB = 2 ** 20
-
-
-def check_schedule(before: fx.GraphModule, after: fx.GraphModule, which: str) -> ScheduleSummary:
-    """The independent check of a scheduled graph (the hook every schedule goes through).
-
-    ``before`` is the graph the reordering started from: after bucketing, which is
-    a rewrite rather than a swap, so it cannot be compared with the traced graph.
-    `schedule_check.check_reorder` proves ``after`` is ``before`` reordered by
-    swaps of commuting events (and runs `check_order` on it); for the order
-    alone, return ``check_order(after, which)`` instead.
-    """
-    return check_reorder(before, after, which)
 
 
 class SchedulePass:
@@ -101,7 +89,7 @@ class SchedulePass:
             moved = {**count_moves(traced, order), "waits_forced": forced}
             reordered = order != traced
             apply_order(gm.graph, order)
-        summary = check_schedule(bucketed, gm, self.which)
+        summary = check_reorder(bucketed, gm, self.which)  # before: bucketing is a rewrite, not a swap
         ctx.report.schedules[self.which] = {
             "order": "scheduled" if opts.schedule else "as traced",
             "per_group": summary.per_group,

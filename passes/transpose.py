@@ -98,7 +98,7 @@ def _allowed(origin: Origin, dim: int | None, forward: list[fx.Node]) -> set[Kin
     """The kinds the backward of `origin` may issue on one group.
 
     By the move table for a node of the DTensor program; for per-rank code (an
-    hca.collectives call, whose backward `torch_hca.collectives` derived from
+    hca.collectives call, whose backward `torch_hca.api.collectives` derived from
     the same table) the transposes of what its forward issued on that group.
     """
     if origin.local_view:
@@ -117,7 +117,7 @@ def _transposes(fw: fx.Node, origin: Origin, dim: int | None) -> set[Kind]:
 def _unpaired_rule(kind: Kind, origin: Origin, dim: int | None) -> str:
     steps = origin.transition(dim) if dim is not None and not origin.local_view else []
     if kind is Kind.ALL_REDUCE and any(src == "R" for src, _ in steps):
-        return f"cotangent reduction: the partial cotangent of a value replicated over mesh dim {dim}, summed, read by {origin.describe(dim)}"
+        return f"cotangent reduction: the partial cotangent of a value replicated over {origin.dim_label(dim)}, summed, read by {origin.describe(dim)}"
     if kind is Kind.ALL_GATHER and any(src == "R" and dst.startswith("S") for src, dst in steps):
         return f"transpose of the local chunk (R -> S) in {origin.describe(dim)}: zero-embed, then sum, as one all_gather"
     return f"backward of {origin.describe(dim)}, as the move table allows"

@@ -112,7 +112,7 @@ def disagreement(name: str, mode: str = "values") -> dict[str, Any]:
 
 def check_cost(mode: str, steps: int = 30) -> dict[str, float]:
     """Median seconds of one compiled step, and of the input check alone, under `mode`."""
-    from torch_hca.agreement import InputAgreement  # noqa: F401  (the class the pipeline wraps)
+    from torch_hca.compiler.checks.agreement import InputAgreement  # noqa: F401  (the class the pipeline wraps)
 
     torch._dynamo.reset()
     mesh = hca.init_mesh()
@@ -150,7 +150,7 @@ def solver_choices_apart() -> dict[str, Any]:
     program, rank 0's. What it ran, or the error it raised."""
     import dataclasses
 
-    from torch_hca import layout_solver
+    from torch_hca.compiler.layout import solver as layout_solver
 
     mesh = hca.init_mesh()
     rank = dist.get_rank()

@@ -29,10 +29,10 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import torch_hca as hca
-from torch_hca import collectives as C
+from torch_hca.api import collectives as C
 from torch_hca.tools import zoo
-from torch_hca.mesh import reset_current_mesh
-from torch_hca.options import Options
+from torch_hca.runtime.mesh import reset_current_mesh
+from torch_hca.compiler.options import Options
 
 NAN, INF = math.nan, math.inf
 OWNED = "owned by the fault-handling work"
@@ -291,7 +291,7 @@ def _meshes() -> list[Case]:
         Case("mesh/timeout-nan", lambda: hca.init_mesh(timeout=NAN), M, r"init_mesh\(timeout=\.\.\.\): nan is not a positive finite number of seconds"),
         Case("mesh/env-has-only-RANK", _with_env(lambda: hca.init_mesh(device_type="cpu"), RANK="0", WORLD_SIZE=None,
                                                  MASTER_ADDR=None, MASTER_PORT=None), M,
-             r"the environment lacks WORLD_SIZE, MASTER_ADDR, MASTER_PORT; run under `torchrun --nproc-per-node N` or inside `hca\.launch", "none"),
+             r"the environment lacks WORLD_SIZE, MASTER_ADDR, MASTER_PORT\. Put the work in a function and end the script with `hca\.run\(main, n\)`.*`torchrun --nproc-per-node n script\.py`.*`hca\.launch", "none"),
     ]
 
 

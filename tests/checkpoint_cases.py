@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 import torch_hca as hca
-from torch_hca import checkpoint
-from torch_hca.plan import parameter_name, parameter_role
+from torch_hca.api import checkpoint
+from torch_hca.compiler.parameters import parameter_name, parameter_role
 from torch_hca.tools import zoo
 
 DIM, HIDDEN = 8, 16

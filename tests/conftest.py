@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import torch_hca as hca
-from torch_hca.mesh import reset_current_mesh
+from torch_hca.runtime.mesh import reset_current_mesh
 
 # The compiler starts from this host's cached calibration when there is one: tests solve with
 # the documented defaults instead (an empty cache), so that layouts do not depend on the machine.

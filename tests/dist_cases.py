@@ -402,7 +402,7 @@ def divergent_batch_sizes() -> dict[str, Any]:
 
 def calibrated() -> dict[str, Any]:
     """hca.calibrate() on this rank, and whether the backend accepts its figures."""
-    from torch_hca.options import Options
+    from torch_hca.compiler.options import Options
 
     hca.init_mesh()
     figures = hca.calibrate(repeats=3)
@@ -426,7 +426,7 @@ def conv_data_parallel(trust_dtensor_conv_rule: bool, bf16: bool = False) -> dic
     Partial inputs (the solver then reads the weight and bias as summands and each rank
     computes conv(x, W/n) + b/n), to show the refinement check stops that program; `bf16`:
     both under bf16 autocast, where the check's tolerance is bf16's."""
-    from torch_hca import layout_candidates
+    from torch_hca.compiler.layout import candidates as layout_candidates
     from torch_hca.errors import CheckError
 
     if trust_dtensor_conv_rule:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import torch_hca as hca
-from torch_hca import mesh
+from torch_hca.runtime import mesh
 
 C = hca.collectives
 

@@ -251,7 +251,7 @@ MODELS: dict[str, Callable[[], Built]] = {
 
 
 # The models whose hidden (not attention) dropout `build` can turn on: hca refuses attention
-# dropout by name, and places every other dropout as one device draws it (torch_hca.randomness).
+# dropout by name, and places every other dropout as one device draws it (torch_hca.compiler.randomness).
 DROPOUT_MODELS = ("gpt2", "bert", "vit")
 
 

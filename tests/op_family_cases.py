@@ -39,7 +39,7 @@ from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from torch_hca import attention as hca_attention
+from torch_hca.compiler import attention as hca_attention
 from torch_hca._torch_private import record_implicit_redistributions
 
 try:  # only to stop at the first implicit move instead of performing it: a speed-up

@@ -23,7 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch_hca._torch_private import fake_mode_of
 from torch_hca.spmd.collective_kinds import OPS
 from torch_hca.passes.collective_rewrites import agree_across_ranks, rewrite_collectives
-from torch_hca.schedule_check import check_order
+from torch_hca.compiler.checks.schedule_check import check_order
 
 
 def cases(r: int, n: int, world, other) -> dict[str, tuple[Callable, list[tuple[int, ...]]]]:

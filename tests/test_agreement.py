@@ -1,4 +1,4 @@
-"""Ranks that disagree on what SPMD says they share are stopped before the step (torch_hca/agreement.py).
+"""Ranks that disagree on what SPMD says they share are stopped before the step (torch_hca/compiler/checks/agreement.py).
 
 Before this check each of these cases ran to the end with silently wrong
 gradients (the collectives matched, so the first-run collective check passed).
@@ -83,7 +83,7 @@ def test_the_program_digest_reads_past_an_unused_storage_offset():
     its offset as a graph input that rank 0's graph lacks; the programs are the same."""
     import torch
 
-    from torch_hca.agreement import program_digest
+    from torch_hca.compiler.checks.agreement import program_digest
 
     graphs = []
 

@@ -8,7 +8,7 @@ import pathlib
 import re
 
 import torch_hca as hca
-from torch_hca.options import Options
+from torch_hca.compiler.options import Options
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 API = (ROOT / "docs" / "api.md").read_text()

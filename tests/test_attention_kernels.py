@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from torch_hca import attention as A
+from torch_hca.compiler import attention as A
 
 CASES = list(itertools.product((1, 2), (0, 1), ("none", "bool [b,1,L,S]", "float [L,S]", "bool [L,S]")))
 

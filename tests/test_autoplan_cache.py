@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import torch_hca as hca
-from torch_hca import layout_candidates
+from torch_hca.compiler.layout import candidates as layout_candidates
 
 VOCAB, DIM, OUT = 64, 32, 8
 

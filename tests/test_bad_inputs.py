@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import torch_hca as hca
-from torch_hca.mesh import reset_current_mesh
+from torch_hca.runtime.mesh import reset_current_mesh
 
 from bad_input_cases import CASES, Case, run_on_ranks
 

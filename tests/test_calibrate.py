@@ -12,7 +12,7 @@ import torch
 
 import dist_cases
 import torch_hca as hca
-from torch_hca.calibrate import FIELDS
+from torch_hca.api.calibrate import FIELDS
 from torch_hca.spmd.cost_model import DEFAULTS
 
 
@@ -62,7 +62,7 @@ class _Blocking:
 
 @pytest.mark.parametrize("collective,expected", [(_Thread, 0.0), (_Blocking, 1.0)])
 def test_contention_is_the_share_of_a_collective_that_overlap_does_not_hide(collective, expected):
-    cal = importlib.import_module("torch_hca.calibrate")
+    cal = importlib.import_module("torch_hca.api.calibrate")
     # Two 10 ms steps outlast the 15 ms collective by 5 ms: room for a loaded machine's late wake-ups.
     step = lambda: time.sleep(0.01)
     share = cal._contention(step, 0.01, lambda: collective(0.015), 0.015, lambda: None, repeats=10)
@@ -78,7 +78,7 @@ def test_needs_a_process_group():
 
 
 def test_host_time_is_the_compiled_steps_time_beyond_its_graphs_own_calls(fake_pg):
-    cal = importlib.import_module("torch_hca.calibrate")  # the module: hca.calibrate is its function
+    cal = importlib.import_module("torch_hca.api.calibrate")  # the module: hca.calibrate is its function
 
     figures = dataclasses.asdict(DEFAULTS["gloo"])
     call_s, param_s = cal._host_s(figures, torch.device("cpu"), 3)
@@ -89,18 +89,18 @@ def test_host_time_is_the_compiled_steps_time_beyond_its_graphs_own_calls(fake_p
 
 
 def test_host_time_is_zero_with_a_warning_when_the_probe_did_not_compile(fake_pg, monkeypatch):
-    cal = importlib.import_module("torch_hca.calibrate")  # the module: hca.calibrate is its function
+    cal = importlib.import_module("torch_hca.api.calibrate")  # the module: hca.calibrate is its function
 
     def uncompiled(compiled):
         raise hca.HCAError("no graph of this Sequential was compiled")
 
-    monkeypatch.setattr(importlib.import_module("torch_hca.report"), "report", uncompiled)
+    monkeypatch.setattr(importlib.import_module("torch_hca.report.compile_report"), "report", uncompiled)
     with pytest.warns(UserWarning, match="call_s and param_s are 0: a probe module did not compile with hca"):
         assert cal._host_s(dataclasses.asdict(DEFAULTS["gloo"]), torch.device("cpu"), 3) == (0.0, 0.0)
 
 
 def test_latency_and_bandwidth_are_the_line_through_the_all_reduces():
-    cal = importlib.import_module("torch_hca.calibrate")
+    cal = importlib.import_module("torch_hca.api.calibrate")
     wires = [64e3, 512e3, 4e6]
     slope, intercept = cal._line(wires, [1e-3 + w / 2e9 for w in wires])
     assert slope == pytest.approx(1 / 2e9) and intercept == pytest.approx(1e-3)
@@ -110,7 +110,7 @@ def test_latency_and_bandwidth_are_the_line_through_the_all_reduces():
 @pytest.mark.parametrize("h", [0.0, 8.0, 40.0])
 def test_matmul_half_dim_is_the_h_that_fits_both_rates(monkeypatch, h):
     """Times of x @ w at 16 and 256 rows whose rates are d / (d + h) of one peak give back h."""
-    cal = importlib.import_module("torch_hca.calibrate")
+    cal = importlib.import_module("torch_hca.api.calibrate")
     peak = 1e11
     seconds = lambda rows: 2 * rows * 512 * 512 / (peak * rows / (rows + h))
     monkeypatch.setattr(cal, "_typical_in_turn_s", lambda fns, repeats: [seconds(16), seconds(256)])
@@ -118,6 +118,6 @@ def test_matmul_half_dim_is_the_h_that_fits_both_rates(monkeypatch, h):
 
 
 def test_matmul_half_dim_is_zero_where_small_matmuls_are_not_slower(monkeypatch):
-    cal = importlib.import_module("torch_hca.calibrate")
+    cal = importlib.import_module("torch_hca.api.calibrate")
     monkeypatch.setattr(cal, "_typical_in_turn_s", lambda fns, repeats: [1.0, 17.0])  # 16 rows faster per row
     assert cal._matmul_half_dim(torch.device("cpu"), lambda: None, 3) == 0.0

@@ -15,7 +15,7 @@ import torch
 
 import checkpoint_cases
 import torch_hca as hca
-from torch_hca import checkpoint
+from torch_hca.api import checkpoint
 
 FIRST, SECOND = "v00000001", "v00000002"
 

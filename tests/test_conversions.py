@@ -17,8 +17,8 @@ import torch.distributed as dist
 import checkpoint_cases
 import torch_hca as hca
 from torch_hca.tools import zoo
-from torch_hca.plan import parameter_name, parameter_role
-from torch_hca.mesh import reset_current_mesh
+from torch_hca.compiler.parameters import parameter_name, parameter_role
+from torch_hca.runtime.mesh import reset_current_mesh
 
 ROLES = {"fc1.weight": "eager", "fc1.bias": "eager", "fc2.weight": "eager", "fc2.bias": "deferred"}
 

@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import torch_hca as hca
 from torch_hca.tools import zoo
-from torch_hca.mesh import reset_current_mesh
-from torch_hca.options import Options
+from torch_hca.runtime.mesh import reset_current_mesh
+from torch_hca.compiler.options import Options
 
 # Every option's name, as the message lists them (derived: a new option must not break these rows).
 OPTION_NAMES = sorted(f.name for f in dataclasses.fields(Options) if f.name != "mode")
@@ -217,7 +217,7 @@ def test_init_mesh_without_process_group_or_env(monkeypatch):
     assert not dist.is_initialized()
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
-    with pytest.raises(hca.MeshError, match=r"no process group is initialized and the environment lacks RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; run under `torchrun"):
+    with pytest.raises(hca.MeshError, match=r"no process group is initialized and the environment lacks RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT\. Put the work in a function and end the script with `hca\.run\(main, n\)`"):
         hca.init_mesh(device_type="cpu")
     assert not dist.is_initialized()
 
@@ -356,7 +356,7 @@ def test_report_of_a_non_module():
 
 
 def test_report_with_nothing_compiled(monkeypatch):
-    monkeypatch.setattr(importlib.import_module("torch_hca.report"), "_GRAPHS", [])
+    monkeypatch.setattr(importlib.import_module("torch_hca.report.compile_report"), "_GRAPHS", [])
     with pytest.raises(hca.HCAError, match=r"hca\.report\(\): nothing has been compiled with backend='hca' in this process"):
         hca.report()
 

@@ -1,8 +1,8 @@
-"""Faults on real gloo ranks (issue 11, outcome 2): each ends in an `HCAError` that names it,
+"""Faults on real gloo ranks: each ends in an `HCAError` that names it,
 within a bounded time, and no rank outlives its launcher.
 
 * One timeout: ``timeout_s`` of `hca.launch` / `hca.run` / `LocalWorld` reaches every rank
-  (`torch_hca.mesh.timeout_s()` and the process group); it bounds waits for peers, not
+  (`torch_hca.runtime.mesh.timeout_s()` and the process group); it bounds waits for peers, not
   the job's length. Bad values are `MeshError`s naming the parameter.
 * `hca.collectives` on ranks that disagree (shape, dtype, roles, op, root, forward against
   backward): `CollectiveError` naming each rank's call, before gloo could abort; a call on
@@ -71,7 +71,7 @@ def test_a_bad_timeout_is_named(where, value):
 
 
 def test_ranks_wait_for_peers_as_long_as_the_launcher_says(short_world):
-    # (torch_hca.mesh.timeout_s(), the gloo process group's timeout) on each rank
+    # (torch_hca.runtime.mesh.timeout_s(), the gloo process group's timeout) on each rank
     assert short_world.run(fault_cases.timeouts) == [(TIMEOUT_S, TIMEOUT_S)] * 2
 
 

@@ -87,7 +87,7 @@ def test_inner_dtensor_runs_the_dtensor_program(worlds):
     assert r["out_err"] <= TOL and r["grad_err"] <= TOL
     assert not r["has_c10d_graphs"], "inner='dtensor' must not go through AOTAutograd"
     # Attention reached the program as hca's own op, with its own sharding rule (attention.py).
-    assert "scaled_dot_product" not in r["dtensor_code"] and "torch_hca_attention_sdpa" in r["dtensor_code"]
+    assert "scaled_dot_product" not in r["dtensor_code"] and "torch_hca_compiler_attention_sdpa" in r["dtensor_code"]
 
 
 def test_inner_inductor(worlds):

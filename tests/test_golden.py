@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch_hca as hca
 from torch_hca._torch_private import clear_dtensor_sharding_cache
 from torch_hca.tools import zoo
-from torch_hca.mesh import reset_current_mesh
+from torch_hca.runtime.mesh import reset_current_mesh
 
 _LIVENESS = re.compile(r";  (?:\w+ = )+None$")
 _SHORT_NAMES = {
@@ -58,7 +58,7 @@ def normalize(code: str) -> str:
     out = []
     for line in code.splitlines():
         line = _LIVENESS.sub("", line.rstrip())
-        line = _MESH_INDEX.sub(r"\1MESH,", line)  # a process-global index of torch_hca.logical
+        line = _MESH_INDEX.sub(r"\1MESH,", line)  # a process-global index of torch_hca.compiler.logical
         if not line.strip():
             continue
         if line.lstrip().startswith("def "):
@@ -148,15 +148,15 @@ def forward(
     l_self_modules_fc1_parameters_bias_ = L_self_modules_fc1_parameters_bias_
     l_self_modules_fc2_parameters_weight_ = L_self_modules_fc2_parameters_weight_
     l_self_modules_fc2_parameters_bias_ = L_self_modules_fc2_parameters_bias_
-    reduce_gradient_eagerly = torch_hca_dtensor_ops_reduce_gradient_eagerly(l_self_modules_fc2_parameters_bias_)
+    reduce_gradient_eagerly = torch_hca_compiler_dtensor_ops_reduce_gradient_eagerly(l_self_modules_fc2_parameters_bias_)
     l_args_0_ = L_args_0_
-    from_local = torch_hca_dtensor_ops_from_local(l_args_0_, MESH, (Replicate(),), [8, 64])
+    from_local = torch_hca_compiler_dtensor_ops_from_local(l_args_0_, MESH, (Replicate(),), [8, 64])
     linear = torch._C._nn.linear(from_local, l_self_modules_fc1_parameters_weight_, l_self_modules_fc1_parameters_bias_)
     gelu = torch._C._nn.gelu(linear)
-    redistribute = torch_hca_dtensor_ops_redistribute(reduce_gradient_eagerly, (Partial('sum'),))
+    redistribute = torch_hca_compiler_dtensor_ops_redistribute(reduce_gradient_eagerly, (Partial('sum'),))
     out = torch._C._nn.linear(gelu, l_self_modules_fc2_parameters_weight_, redistribute)
-    redistribute_1 = torch_hca_dtensor_ops_redistribute(out, (Replicate(),))
-    to_output = torch_hca_dtensor_ops_to_output(redistribute_1, (Replicate(),))
+    redistribute_1 = torch_hca_compiler_dtensor_ops_redistribute(out, (Replicate(),))
+    to_output = torch_hca_compiler_dtensor_ops_to_output(redistribute_1, (Replicate(),))
     return (to_output,)""")
 
     def test_mlp_forward_graph(self):
@@ -247,24 +247,24 @@ def forward(
     L_args_0_: Tensor,
 ):
     l_self_modules_norm1_parameters_weight_ = L_self_modules_norm1_parameters_weight_
-    reduce_gradient_eagerly = torch_hca_dtensor_ops_reduce_gradient_eagerly(l_self_modules_norm1_parameters_weight_)
+    reduce_gradient_eagerly = torch_hca_compiler_dtensor_ops_reduce_gradient_eagerly(l_self_modules_norm1_parameters_weight_)
     l_self_modules_norm1_parameters_bias_ = L_self_modules_norm1_parameters_bias_
-    reduce_gradient_eagerly_1 = torch_hca_dtensor_ops_reduce_gradient_eagerly(l_self_modules_norm1_parameters_bias_)
+    reduce_gradient_eagerly_1 = torch_hca_compiler_dtensor_ops_reduce_gradient_eagerly(l_self_modules_norm1_parameters_bias_)
     l_self_modules_attn_modules_wq_parameters_weight_ = L_self_modules_attn_modules_wq_parameters_weight_
     l_self_modules_attn_modules_wk_parameters_weight_ = L_self_modules_attn_modules_wk_parameters_weight_
     l_self_modules_attn_modules_wv_parameters_weight_ = L_self_modules_attn_modules_wv_parameters_weight_
     l_self_modules_attn_modules_wo_parameters_weight_ = L_self_modules_attn_modules_wo_parameters_weight_
     l_self_modules_norm2_parameters_weight_ = L_self_modules_norm2_parameters_weight_
-    reduce_gradient_eagerly_2 = torch_hca_dtensor_ops_reduce_gradient_eagerly(l_self_modules_norm2_parameters_weight_)
+    reduce_gradient_eagerly_2 = torch_hca_compiler_dtensor_ops_reduce_gradient_eagerly(l_self_modules_norm2_parameters_weight_)
     l_self_modules_norm2_parameters_bias_ = L_self_modules_norm2_parameters_bias_
-    reduce_gradient_eagerly_3 = torch_hca_dtensor_ops_reduce_gradient_eagerly(l_self_modules_norm2_parameters_bias_)
+    reduce_gradient_eagerly_3 = torch_hca_compiler_dtensor_ops_reduce_gradient_eagerly(l_self_modules_norm2_parameters_bias_)
     l_self_modules_mlp_modules_fc1_parameters_weight_ = L_self_modules_mlp_modules_fc1_parameters_weight_
     l_self_modules_mlp_modules_fc1_parameters_bias_ = L_self_modules_mlp_modules_fc1_parameters_bias_
     l_self_modules_mlp_modules_fc2_parameters_weight_ = L_self_modules_mlp_modules_fc2_parameters_weight_
     l_self_modules_mlp_modules_fc2_parameters_bias_ = L_self_modules_mlp_modules_fc2_parameters_bias_
-    reduce_gradient_eagerly_4 = torch_hca_dtensor_ops_reduce_gradient_eagerly(l_self_modules_mlp_modules_fc2_parameters_bias_)
+    reduce_gradient_eagerly_4 = torch_hca_compiler_dtensor_ops_reduce_gradient_eagerly(l_self_modules_mlp_modules_fc2_parameters_bias_)
     l_args_0_ = L_args_0_
-    from_local = torch_hca_dtensor_ops_from_local(l_args_0_, MESH, (Replicate(),), [2, 6, 128])
+    from_local = torch_hca_compiler_dtensor_ops_from_local(l_args_0_, MESH, (Replicate(),), [2, 6, 128])
     layer_norm = torch.nn.functional.layer_norm(from_local, (128,), reduce_gradient_eagerly, reduce_gradient_eagerly_1, 1e-05)
     linear = torch._C._nn.linear(layer_norm, l_self_modules_attn_modules_wq_parameters_weight_, None)
     view = linear.view(2, 6, 4, 32)
@@ -275,21 +275,21 @@ def forward(
     linear_2 = torch._C._nn.linear(layer_norm, l_self_modules_attn_modules_wv_parameters_weight_, None)
     view_2 = linear_2.view(2, 6, 4, 32)
     v_12 = view_2.transpose(1, 2)
-    y = torch_hca_attention_sdpa(q, k, v_12, is_causal = True)
+    y = torch_hca_compiler_attention_sdpa(q, k, v_12, is_causal = True)
     transpose_3 = y.transpose(1, 2)
     reshape = transpose_3.reshape(2, 6, 128)
     linear_3 = torch._C._nn.linear(reshape, l_self_modules_attn_modules_wo_parameters_weight_, None)
-    redistribute = torch_hca_dtensor_ops_redistribute(from_local, (Partial('sum'),))
+    redistribute = torch_hca_compiler_dtensor_ops_redistribute(from_local, (Partial('sum'),))
     x = redistribute + linear_3
-    redistribute_1 = torch_hca_dtensor_ops_redistribute(x, (Replicate(),))
+    redistribute_1 = torch_hca_compiler_dtensor_ops_redistribute(x, (Replicate(),))
     layer_norm_1 = torch.nn.functional.layer_norm(redistribute_1, (128,), reduce_gradient_eagerly_2, reduce_gradient_eagerly_3, 1e-05)
     linear_4 = torch._C._nn.linear(layer_norm_1, l_self_modules_mlp_modules_fc1_parameters_weight_, l_self_modules_mlp_modules_fc1_parameters_bias_)
     gelu = torch._C._nn.gelu(linear_4)
-    redistribute_2 = torch_hca_dtensor_ops_redistribute(reduce_gradient_eagerly_4, (Partial('sum'),))
+    redistribute_2 = torch_hca_compiler_dtensor_ops_redistribute(reduce_gradient_eagerly_4, (Partial('sum'),))
     linear_5 = torch._C._nn.linear(gelu, l_self_modules_mlp_modules_fc2_parameters_weight_, redistribute_2)
     out = x + linear_5
-    redistribute_3 = torch_hca_dtensor_ops_redistribute(out, (Replicate(),))
-    to_output = torch_hca_dtensor_ops_to_output(redistribute_3, (Replicate(),))
+    redistribute_3 = torch_hca_compiler_dtensor_ops_redistribute(out, (Replicate(),))
+    to_output = torch_hca_compiler_dtensor_ops_to_output(redistribute_3, (Replicate(),))
     return (to_output,)""")
         self.assertEqual(r.collective_counts("forward"), {"all_reduce": 2})
         self.assertEqual(r.collective_counts("backward"), {"all_reduce": 2})

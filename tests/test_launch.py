@@ -67,7 +67,7 @@ def test_run_calls_fn_in_this_process_under_torchrun(monkeypatch):
 
 _MIB = 2**20
 # A fresh process: glibc's defaults, then keep_freed_memory() where asked.
-_FRESH = ("import sys, launch_cases\nfrom torch_hca.launch import keep_freed_memory\n"
+_FRESH = ("import sys, launch_cases\nfrom torch_hca.runtime.launch import keep_freed_memory\n"
           "applied = keep_freed_memory() if sys.argv[1] == 'keep' else False\n"
           "print(applied, launch_cases.rss_drop_after_freeing_64_mib())")
 

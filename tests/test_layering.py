@@ -1,11 +1,18 @@
-"""The layering is one-way (docs/theory.md, section 7): spmd <- core <- passes <- backends.
+"""The rooms and their arrows (docs/theory.md, "Code layout"): every import runs down the table.
 
-The algebra in torch_hca/spmd/ imports nothing of torch_hca but itself and the
-base (`torch_hca.errors`, `torch_hca._torch_private`); nothing but the command
-line (`torch_hca/__main__.py`) imports the tooling in torch_hca/tools/; modules in torch_hca/
-(the core) never import torch_hca.passes or torch_hca.backends; modules in
-passes/ never import torch_hca.backends. Read from the source with `ast`, so an
-import inside a function counts too.
+The base (`torch_hca.errors`, `torch_hca._torch_private`) is importable from anywhere. Then, each
+room importing only the rooms listed beside it:
+
+    spmd       the algebra: placements, the move table, graph facts, op families, the cost model
+    runtime    the mesh, rank-to-rank exchange, launching ranks
+    compiler   the logical program, lifting, the layout choice (layout/), the checks (checks/)
+    report     typed records, the tables, the predicted step
+    api        what users call: sharded, plan, collectives, gradients, step, checkpoints, calibrate
+    passes     the compile passes (the repository's passes/, installed as torch_hca.passes)
+    backends   the torch.compile backend (backends/, installed as torch_hca.backends)
+    tools      bench, demo, zoo: only the command line (torch_hca/__main__.py) reaches them
+
+Read from the source with `ast`, so an import inside a function counts too.
 """
 
 from __future__ import annotations
@@ -21,11 +28,35 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Source folder -> the package it installs as (pyproject's package-dir mapping).
 PACKAGES = {"torch_hca": "torch_hca", "passes": "torch_hca.passes", "backends": "torch_hca.backends"}
-FORBIDDEN = {
-    "torch_hca": ("torch_hca.passes", "torch_hca.backends"),
-    "passes": ("torch_hca.backends",),
-    "backends": (),
+
+# Module prefix -> room; the first match wins, so the package root comes last.
+ROOMS = (
+    ("torch_hca.errors", "base"), ("torch_hca._torch_private", "base"), ("torch_hca.spmd", "spmd"),
+    ("torch_hca.runtime", "runtime"), ("torch_hca.compiler", "compiler"), ("torch_hca.report", "report"),
+    ("torch_hca.api", "api"), ("torch_hca.passes", "passes"), ("torch_hca.backends", "backends"),
+    ("torch_hca.tools", "tools"), ("torch_hca.__main__", "command line"), ("torch_hca", "package root"),
+)
+_BELOW = ("base", "spmd", "runtime", "compiler", "report")
+MAY_IMPORT = {
+    "base": ("base",),
+    "spmd": ("base", "spmd"),
+    "runtime": ("base", "spmd", "runtime"),
+    "compiler": ("base", "spmd", "runtime", "compiler"),
+    "report": _BELOW,
+    "api": (*_BELOW, "api"),
+    "passes": (*_BELOW, "passes"),
+    "backends": (*_BELOW, "api", "passes", "backends"),
+    "tools": (*_BELOW, "api", "passes", "backends", "tools", "package root"),
+    "command line": (*_BELOW, "api", "tools", "package root"),
+    "package root": (*_BELOW, "api", "package root"),
 }
+
+
+def room_of(module: str) -> str | None:
+    for prefix, room in ROOMS:
+        if module == prefix or module.startswith(prefix + "."):
+            return room
+    return None
 
 
 def _module_name(folder: str, path: Path) -> str:
@@ -84,38 +115,29 @@ def _sources(folder: str) -> list[Path]:
 def _violations(folder: str) -> list[str]:
     bad = []
     for path in _sources(folder):
+        here = room_of(_module_name(folder, path))
         for line, module in imported_modules(folder, path):
-            for forbidden in FORBIDDEN[folder]:
-                if module == forbidden or module.startswith(forbidden + "."):
-                    bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
+            there = room_of(module)
+            if there is not None and module != "torch_hca" and there not in MAY_IMPORT[here]:
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {module} ({here} -> {there})")
     return bad
 
 
-SPMD_MAY_IMPORT = ("torch_hca.spmd", "torch_hca.errors", "torch_hca._torch_private")
+def test_every_room_is_in_the_table_and_has_code():
+    rooms = {room for _, room in ROOMS}
+    assert rooms == set(MAY_IMPORT)
+    found = {room_of(_module_name(folder, p)) for folder in PACKAGES for p in _sources(folder)}
+    assert found == rooms
 
 
-def test_the_algebra_imports_nothing_above_it():
-    spmd = sorted((ROOT / "torch_hca" / "spmd").rglob("*.py"))
-    assert spmd, "no torch_hca/spmd package"
-    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}"
-           for path in spmd for line, module in imported_modules("torch_hca", path)
-           if (module == "torch_hca" or module.startswith("torch_hca."))
-           and not any(module == m or module.startswith(m + ".") for m in SPMD_MAY_IMPORT)]
-    assert bad == []
-
-
-def test_the_compiler_never_imports_its_tooling():
-    """torch_hca/tools/ (bench, demo, zoo, profiling) sits on top: only the command line reaches it."""
-    core = [p for p in _sources("torch_hca") if "tools" not in p.relative_to(ROOT).parts and p.name != "__main__.py"]
-    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}"
-           for folder, paths in (("torch_hca", core), ("passes", _sources("passes")), ("backends", _sources("backends")))
-           for path in paths for line, module in imported_modules(folder, path)
-           if module == "torch_hca.tools" or module.startswith("torch_hca.tools.")]
-    assert bad == []
+def test_the_folders_are_the_rooms():
+    """Every module of torch_hca/ sits in a room's folder; only the base and the entry points at its top."""
+    top = sorted(p.name for p in (ROOT / "torch_hca").glob("*.py"))
+    assert top == ["__init__.py", "__main__.py", "_torch_private.py", "errors.py"]
 
 
 @pytest.mark.parametrize("folder", sorted(PACKAGES))
-def test_layering_is_one_way(folder):
+def test_every_import_runs_down_the_table(folder):
     assert _sources(folder), f"no Python files under {folder}/"
     assert _violations(folder) == []
 
@@ -129,21 +151,25 @@ def test_imports_are_resolved_against_the_installed_names(tmp_path, monkeypatch)
     passes.mkdir()
     (core / "bad.py").write_text("def f():\n    from .passes import layout\n")
     (core / "dyn.py").write_text("import importlib\nimportlib.import_module('torch_hca.backends.emit')\n")
-    (core / "ok.py").write_text("from . import report\nfrom .errors import CheckError\nimport torch_hca.plan\n")
+    (core / "ok.py").write_text("from . import errors\nfrom .errors import CheckError\nimport torch_hca.api.plan\n")
+    (core / "runtime").mkdir()
+    (core / "runtime" / "up.py").write_text("from ..compiler.logical import ENTER\nfrom ..spmd import placements\n")
     (passes / "__init__.py").write_text("")
     (passes / "worse.py").write_text("from ..backends import emit\n")
-    (passes / "fine.py").write_text("from .infra import PassContext\nfrom torch_hca.report import GraphReport\n")
+    (passes / "fine.py").write_text("from .infra import PassContext\nfrom torch_hca.report.compile_report import GraphReport\n")
 
     assert imported_modules("passes", passes / "worse.py") == [(1, "torch_hca.backends"), (1, "torch_hca.backends.emit")]
     assert imported_modules("passes", passes / "fine.py")[0] == (1, "torch_hca.passes.infra")
     assert _violations("torch_hca") == [
-        "torch_hca/bad.py:2 imports torch_hca.passes",
-        "torch_hca/bad.py:2 imports torch_hca.passes.layout",
-        "torch_hca/dyn.py:2 imports torch_hca.backends.emit",
+        "torch_hca/bad.py:2 imports torch_hca.passes (package root -> passes)",
+        "torch_hca/bad.py:2 imports torch_hca.passes.layout (package root -> passes)",
+        "torch_hca/dyn.py:2 imports torch_hca.backends.emit (package root -> backends)",
+        "torch_hca/runtime/up.py:1 imports torch_hca.compiler.logical (runtime -> compiler)",
+        "torch_hca/runtime/up.py:1 imports torch_hca.compiler.logical.ENTER (runtime -> compiler)",
     ]
     assert _violations("passes") == [
-        "passes/worse.py:1 imports torch_hca.backends",
-        "passes/worse.py:1 imports torch_hca.backends.emit",
+        "passes/worse.py:1 imports torch_hca.backends (passes -> backends)",
+        "passes/worse.py:1 imports torch_hca.backends.emit (passes -> backends)",
     ]
 
 
@@ -152,5 +178,5 @@ def test_import_torch_hca_loads_neither_passes_nor_backends():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     loaded = ast.literal_eval(out.stdout.strip().splitlines()[-1])
-    assert "torch_hca.plan" in loaded  # the check sees the core's modules
+    assert "torch_hca.api.plan" in loaded  # the check sees the core's modules
     assert [m for m in loaded if m.startswith(("torch_hca.passes", "torch_hca.backends"))] == []

@@ -15,7 +15,8 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
 import torch_hca as hca
-from torch_hca import layout_candidates, layout_solver
+from torch_hca.compiler.layout import candidates as layout_candidates
+from torch_hca.compiler.layout import solver as layout_solver
 from torch_hca.tools import zoo
 
 from dist_cases import NormMLP
@@ -99,7 +100,7 @@ def test_fsdp_storage_gathers_activations_when_weights_are_big(fake_pg):
 def _two_d_mlp(**options):
     torch.distributed.destroy_process_group()
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from torch_hca.mesh import reset_current_mesh
+    from torch_hca.runtime.mesh import reset_current_mesh
 
     reset_current_mesh()
     torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
@@ -247,3 +248,29 @@ def test_a_linears_compute_is_priced_at_its_pieces_smallest_dimension(fake_pg, m
     d = min(4 * n, 16)
     assert scaled[whole] == pytest.approx(flat[whole] * (d + 8) / d)
     assert flat[whole] == pytest.approx(n * flat[split])  # without h, a rank's share of the rows costs its share
+
+
+def test_each_strategy_is_charged_by_its_local_pieces(fake_pg, monkeypatch):
+    """A rank does the work its pieces hold: a replicated weight read as Partial beside a
+    replicated input (each rank holds the whole weight, halved) is the whole matmul on every
+    rank; a batch split is each rank's rows; a weight split is each rank's columns."""
+    built, build_ops = [], layout_candidates.build_ops
+    monkeypatch.setattr(layout_candidates, "build_ops", lambda *a, **k: built.append(build_ops(*a, **k)) or built[-1])
+    model = hca.sharded({}, inputs=Shard(0), outputs=Shard(0))(nn.Linear(64, 64, bias=False))
+    compile_and_step(model, torch.randn(32, 64), cost_model={"memory_bytes_per_s": 1e30})  # 32 rows a rank
+    (ops,) = built
+    priced = {(st.inputs, st.output): st.compute_s for op in ops if op.node.target is torch._C._nn.linear
+              for st in op.strategies}
+    n = hca.current_mesh().size()
+    R, P = (Replicate(),), (torch.distributed.tensor.Partial(),)
+    whole = priced[(R, R), R]
+    assert priced[(P, R), P] == pytest.approx(whole)  # not whole / n: every rank multiplies it all
+    assert priced[(R, P), P] == pytest.approx(whole)
+    assert priced[((Shard(0),), R), (Shard(0),)] == pytest.approx(whole / n)  # rows split
+    built.clear()
+    torch._dynamo.reset()
+    model = hca.sharded({"weight": Shard(0)}, inputs=Replicate(), outputs=Replicate())(nn.Linear(64, 64, bias=False))
+    compile_and_step(model, torch.randn(32 * n, 64), cost_model={"memory_bytes_per_s": 1e30})  # the same global rows
+    column = {(st.inputs, st.output): st.compute_s for op in built[0] if op.node.target is torch._C._nn.linear
+              for st in op.strategies}
+    assert column[(R, (Shard(0),)), (Shard(1),)] == pytest.approx(whole / n)  # each rank its output columns

@@ -20,7 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import collective_cases
 import torch_hca as hca
-from torch_hca.collectives import Role, role
+from torch_hca.api.collectives import Role, role
 
 C = hca.collectives
 c10d = torch.ops._c10d_functional

@@ -1,4 +1,4 @@
-"""`hca.sharded(..., loss_reduction=)`: a loop ported from DDP gets DDP's gradients (torch_hca/plan.py)."""
+"""`hca.sharded(..., loss_reduction=)`: a loop ported from DDP gets DDP's gradients (torch_hca/api/plan.py)."""
 
 from __future__ import annotations
 

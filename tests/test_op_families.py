@@ -45,7 +45,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import op_family_cases as cases
-from torch_hca import layout_candidates
+from torch_hca.compiler.layout import candidates as layout_candidates
 from op_family_cases import BY_NAME, RTOL, Mismatch
 
 MESHES = [

@@ -1,4 +1,4 @@
-"""Random draws: every rank keeps its piece of what one device draws (torch_hca.randomness).
+"""Random draws: every rank keeps its piece of what one device draws (torch_hca.compiler.randomness).
 
 Graph-only checks on the fake process group (rank 0 of 2); parity on real ranks, with
 transformers' models under dropout, is in tests/test_zoo.py
@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import torch_hca as hca
-from torch_hca import dtensor_ops, randomness
+from torch_hca.compiler import dtensor_ops
+from torch_hca.compiler import randomness
 
 aten = torch.ops.aten
 
@@ -109,7 +110,7 @@ def test_compiled_dropout_is_recorded_adds_no_collective_and_compiles_without_dr
 @pytest.mark.parametrize("fake_pg", [2], indirect=True)
 def test_an_eager_sharded_module_draws_as_one_device(fake_pg):
     """Called without torch.compile, a sharded module's forward runs over DTensors; its dropout
-    draws the whole mask too (torch_hca.rewrites), here on rows split over the mesh."""
+    draws the whole mask too (torch_hca.compiler.rewrites), here on rows split over the mesh."""
     torch.manual_seed(0)
     reference = _Dropped()
     torch.manual_seed(0)

@@ -4,7 +4,7 @@
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from torch_hca.refinement import EPSILONS, TOLERANCE, tolerance
+from torch_hca.compiler.checks.refinement import EPSILONS, TOLERANCE, tolerance
 
 
 def test_tolerance_is_fp32s_unless_the_program_computes_in_less():

@@ -76,7 +76,7 @@ def test_report_without_argument_is_the_last_graph(fake_pg):
 
 def test_str_shows_program_and_table(fake_pg):
     text = str(hca.report(compile_mlp()))
-    assert "DTensor program" in text and "all_reduce" in text and "torch_hca_dtensor_ops_redistribute" in text
+    assert "DTensor program" in text and "all_reduce" in text and "torch_hca_compiler_dtensor_ops_redistribute" in text
 
 
 def test_report_never_matches_a_dead_models_graph(fake_pg):
@@ -95,7 +95,7 @@ def test_report_never_matches_a_dead_models_graph(fake_pg):
 
 
 def test_graph_report_checks_identity_not_just_id():
-    from torch_hca.report import GraphReport
+    from torch_hca.report.compile_report import GraphReport
 
     g = GraphReport(index=0, options=None)
     old, new = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
@@ -106,7 +106,7 @@ def test_graph_report_checks_identity_not_just_id():
 
 
 def test_measured_sets_the_clock_beside_the_prediction(fake_pg):
-    from torch_hca.timeline import CALL
+    from torch_hca.report.timeline import CALL
 
     compiled = compile_mlp(options={"cost_model": {"call_s": 1e-3}})  # the first call: compiled, checked, not timed
     rep = hca.report(compiled)

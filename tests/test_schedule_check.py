@@ -1,4 +1,4 @@
-"""`torch_hca.schedule_check.check_order`: the independent checker of a graph's order.
+"""`torch_hca.compiler.checks.schedule_check.check_order`: the independent checker of a graph's order.
 
 Hand-built FX graphs (never run: the checker only reads them) for each way an
 order can be wrong, the compiled Megatron MLP's graphs for the way it must be
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import torch_hca as hca
 from torch_hca.tools import zoo
-from torch_hca.schedule_check import ScheduleSummary, check_order
+from torch_hca.compiler.checks.schedule_check import ScheduleSummary, check_order
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

@@ -22,11 +22,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import dist_cases
 from torch_hca.spmd.collective_kinds import OPS, WAIT, node_payload
-from torch_hca.options import Options
+from torch_hca.compiler.options import Options
 from torch_hca.passes.infra import PassContext, run_pass
 from torch_hca.passes.schedule import SchedulePass
-from torch_hca.report import GraphReport
-from torch_hca.schedule_check import check_order
+from torch_hca.report.compile_report import GraphReport
+from torch_hca.compiler.checks.schedule_check import check_order
 
 c10d = torch.ops._c10d_functional
 MB = 2 ** 20

@@ -1,4 +1,4 @@
-"""Schedule equivalence, property-tested: `torch_hca.schedule_check.check_reorder`.
+"""Schedule equivalence, property-tested: `torch_hca.compiler.checks.schedule_check.check_reorder`.
 
 A strategy draws random programs as FX graphs (compute, views, in-place writes,
 async collectives on one or two process groups, each with its wait) and keeps,
@@ -29,7 +29,7 @@ from hypothesis import assume, given, note, settings
 from hypothesis import strategies as st
 
 import torch_hca as hca
-from torch_hca.schedule_check import check_order, check_reorder
+from torch_hca.compiler.checks.schedule_check import check_order, check_reorder
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

@@ -28,8 +28,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import torch_hca as hca
 from torch_hca.tools import zoo
-from torch_hca import layout_solver
-from torch_hca.mesh import reset_current_mesh
+from torch_hca.compiler.layout import solver as layout_solver
+from torch_hca.runtime.mesh import reset_current_mesh
 
 PROGRAMS = []
 _solve = layout_solver._Program.solve

@@ -1,4 +1,4 @@
-"""Before a compiled graph first runs, the ranks compare its collectives (torch_hca/spmd_check.py)."""
+"""Before a compiled graph first runs, the ranks compare its collectives (torch_hca/compiler/checks/spmd_check.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 import dist_cases
 import torch_hca as hca
-from torch_hca.spmd_check import _describe_difference
+from torch_hca.compiler.checks.spmd_check import _describe_difference
 
 
 def test_divergent_programs_are_named_instead_of_hanging(worlds):

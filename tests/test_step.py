@@ -1,4 +1,4 @@
-"""`hca.step`: the optimizer steps on every rank or on none (torch_hca/step.py)."""
+"""`hca.step`: the optimizer steps on every rank or on none (torch_hca/api/step.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`torch_hca.timeline.estimate`: one step's compute and communication over time.
+"""`torch_hca.report.timeline.estimate`: one step's compute and communication over time.
 
 Hand-built graphs whose values are meta tensors (shapes only, never run) give
 exact expected times under a cost model where memory is free, so an op costs
@@ -21,7 +21,7 @@ import torch_hca as hca
 from torch_hca.tools import zoo
 from torch_hca.spmd.collective_kinds import Kind
 from torch_hca.spmd.cost_model import CostModel, cost_model
-from torch_hca.timeline import Timeline, estimate
+from torch_hca.report.timeline import Timeline, estimate
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -321,7 +321,7 @@ def test_a_matmul_runs_at_its_smallest_dimensions_share_of_the_rate():
     flops_per_s; elementwise ops and a model without h are unchanged."""
     import dataclasses
 
-    from torch_hca.timeline import op_seconds
+    from torch_hca.report.timeline import op_seconds
 
     slow = dataclasses.replace(COSTS, matmul_half_dim=8.0)
     b = Builder()

@@ -237,7 +237,7 @@ def test_mask_partial_and_its_buffer_states(fake_pg):
 def test_clear_dtensor_sharding_cache_keeps_parameters_on_the_new_mesh():
     """After a process group is made again, new DTensors live on the new mesh, not a cached dead one."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from torch_hca.mesh import reset_current_mesh
+    from torch_hca.runtime.mesh import reset_current_mesh
 
     meshes = []
     for _ in range(2):

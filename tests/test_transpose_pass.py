@@ -25,12 +25,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import torch_hca as hca
 from torch_hca._torch_private import set_origin
 from torch_hca.spmd.collective_kinds import OPS, WAIT, Kind, node_group, node_kind
-from torch_hca.options import Options
+from torch_hca.compiler.options import Options
 from torch_hca.passes import collective_rewrites
 from torch_hca.passes.infra import PassContext
 from torch_hca.passes.origins import Origin, Origins
 from torch_hca.passes.transpose import PARTNER, RULE, BackwardKeptPass, TransposePass, backward_nodes
-from torch_hca.report import GraphReport
+from torch_hca.report.compile_report import GraphReport
 
 c10d = torch.ops._c10d_functional
 LAYERS = 4

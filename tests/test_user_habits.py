@@ -1,4 +1,4 @@
-"""What a PyTorch user expects of the tools around training (issue 11, outcome 7), on the fake process group.
+"""What a PyTorch user expects of the tools around training, on the fake process group.
 
 * ``TORCH_LOGS="+torch_hca"`` / ``set_logs`` show hca's graphs after each pass, and
   ``TORCH_TRACE`` records them for tlparse;
@@ -27,10 +27,10 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import torch_hca as hca
 from torch_hca.tools import bench, demo, zoo
-from torch_hca.options import Options
+from torch_hca.compiler.options import Options
 from torch_hca.passes import infra
 from torch_hca.tools.progress import Progress
-from torch_hca.report import WIDTH, GraphReport, readable_code
+from torch_hca.report.compile_report import WIDTH, GraphReport, readable_code
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,13 +78,18 @@ def test_set_logs_shows_the_graphs_after_each_pass(fake_pg):
     stages = [s.removeprefix(f"graph{index}_") for s in shown]
     assert stages[0] == "dynamo" and "layout_after" in stages and "schedule_backward_after" in stages, stages
     program = shown[f"graph{index}_layout_after"]
-    assert "torch_hca_dtensor_ops_redistribute" in program  # the DTensor program, its moves explicit
+    assert "torch_hca_compiler_dtensor_ops_redistribute" in program  # the DTensor program, its moves explicit
     forward = shown[f"graph{index}_schedule_forward_before"]  # AOTAutograd's forward, as the schedule pass gets it
     assert "all_reduce" in forward and "def forward" in forward
     assert "def forward" in shown[f"graph{index}_schedule_backward_before"]
     # A pass that changed nothing is one line, naming the text it equals.
     assert shown[f"graph{index}_lift_before"].strip() == f"unchanged (the same as hca_graph{index}_dynamo)"
     assert not logger.isEnabledFor(logging.DEBUG), "set_logs() turns it off again"
+    # Every line as torch prints it (its prefix included) fits in 200 characters.
+    from torch._logging._internal import TorchLogsFormatter
+
+    printed = [line for r in handler.records for line in TorchLogsFormatter().format(r).splitlines()]
+    assert max(map(len, printed)) <= 200, max(printed, key=len)
 
 
 def test_dump_builds_nothing_when_nobody_asks(monkeypatch, tmp_path):
@@ -114,7 +119,7 @@ def test_env_vars_reach_the_log_and_tlparse_trace(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"hca graph0_layout_after:\n(.*\n)*.*torch_hca_dtensor_ops_redistribute", proc.stderr)
+    assert re.search(r"hca graph0_layout_after:\n(.*\n)*.*torch_hca_compiler_dtensor_ops_redistribute", proc.stderr)
     assert "hca graph0_schedule_backward_after:" in proc.stderr
     (trace,) = (tmp_path / "trace").iterdir()
     names = set(re.findall(r'"name": "(hca_graph0_\w+)"', trace.read_text()))
@@ -172,17 +177,19 @@ def test_readable_code_cuts_only_where_python_allows():
 
 def test_table_wraps_a_long_rule_in_its_column(fake_pg):
     rep = hca.report(compile_mlp())
-    rule = rep.graph.collectives[0].rule = "a long explanation " * 12
+    rule = rep.graph.collectives[0].rule = "a long explanation " * 16
     lines = rep.table(width=115).splitlines()
-    assert len(lines) > 2 and all(len(line) <= 115 for line in lines)
+    assert len(lines) == 4 and all(len(line) <= 115 for line in lines)  # the head, and a rule cell of 3 lines
     column = lines[0].index("rule")
     assert all(line[:column].strip() == "" for line in lines[2:])  # continuation lines stay in the column
-    assert " ".join(line[column:] for line in lines[1:]).split() == rule.split()
-    # Too narrow a column (under 30 characters): the rule goes below its row, indented.
+    shown = " ".join(line[column:] for line in lines[1:])
+    assert shown.endswith("...") and " ".join(rule.split()).startswith(shown[:-3].strip())  # cut, marked
+    # Too narrow a column (under 30 characters): the rule goes below its row, indented, 3 lines at most.
     lines = rep.table(width=90).splitlines()
     assert all(len(line) <= 90 for line in lines) and lines[1].endswith("-")
-    assert " ".join(lines[2:]).split() == rule.split() and lines[2].startswith("    a long")
-    assert rep.table().splitlines()[1].endswith(rule.strip())  # no width: one line per row
+    assert len(lines) == 5 and lines[2].startswith("    a long") and lines[-1].endswith("...")
+    assert rep.table().splitlines()[1].endswith(rule.strip())  # no width: one line per row, the whole rule
+    assert rule in rep.to_json()  # and the whole text in the JSON
 
 
 # ----------------------------------------------------------------------------- the probing warning

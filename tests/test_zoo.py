@@ -189,7 +189,7 @@ DROPOUT_CASES = [
                          ids=[f"{m}-{p}-{w}{''.join('-' + v for v in e.values())}" for m, p, w, e, _ in DROPOUT_CASES])
 def test_dropout_draws_what_one_device_draws(worlds, model_name, plan, world_size, extra, collectives):
     """Seeded alike on every rank and for the reference, every rank draws its piece of the masks
-    one device draws (torch_hca.randomness): outputs, gradients and 2 SGD steps match one device
+    one device draws (torch_hca.compiler.randomness): outputs, gradients and 2 SGD steps match one device
     at 1e-5, and the collectives are the dropout-free program's. Before, each rank drew
     masks of its own piece's shape: `gpt2-dp` gradients 33-80% off one device's, and
     `gpt2-megatron` did not compile."""

@@ -14,16 +14,16 @@ from .errors import (
     RoleError,
     UnsupportedError,
 )
-from . import collectives
-from .gradients import reduce_gradients
-from .launch import LocalWorld, launch, run
-from .mesh import current_mesh, init_mesh
-from .plan import sharded
-from .autoplan import plan
-from .calibrate import calibrate
-from .checkpoint import CheckpointError, load, load_full_state_dict, save
-from .report import CompileReport, report
-from .step import step
+from torch_hca.api import collectives
+from torch_hca.api.gradients import reduce_gradients
+from torch_hca.runtime.launch import LocalWorld, launch, run
+from torch_hca.runtime.mesh import current_mesh, init_mesh
+from torch_hca.api.plan import sharded
+from torch_hca.api.autoplan import plan
+from torch_hca.api.calibrate import calibrate
+from torch_hca.api.checkpoint import CheckpointError, load, load_full_state_dict, save
+from torch_hca.report.compile_report import CompileReport, report
+from torch_hca.api.step import step
 
 __version__ = "0.1.0"
 

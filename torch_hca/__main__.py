@@ -27,9 +27,17 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--round-ms", type=float, default=250.0, metavar="MS",
                        help="a model whose contestants' steps are short takes more timed steps per round, enough "
                             "to fill about MS milliseconds each (default 250; 0: --steps exactly)")
-    bench.add_argument("--models", default=",".join(MODELS), help="comma-separated (default: all)")
-    bench.add_argument("--contestants", default=",".join(CONTESTANTS),
+    bench.add_argument("--models", default=None, help="comma-separated (default: all; with --real: gpt2_small, "
+                       "llama_100m)")
+    bench.add_argument("--contestants", default=None,
                        help="comma-separated (default: all); each runs on the models it applies to")
+    bench.add_argument("--real", action="store_true",
+                       help="real-size Hugging Face models (GPT-2 small, a 125M-parameter Llama) and their own "
+                            "contestants: one device, DDP, FSDP2, parallelize_module, hca (docs/bench.md, "
+                            "\"Real-size models\"); with --tiny, the same families at tiny sizes")
+    bench.add_argument("--rows", default=None, metavar="R[,R...]",
+                       help="--real: rows per rank, each a table of its own (default 4)")
+    bench.add_argument("--seq", type=int, default=None, help="--real: tokens per row (default 64; 16 with --tiny)")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write the records as JSON")
     bench.add_argument("--tiny", action="store_true", help="tiny models (a smoke test, not a measurement)")
     bench.add_argument("--default-costs", action="store_true",
@@ -52,11 +60,22 @@ def main(argv: list[str] | None = None) -> int:
         from .tools.bench import main as bench_main
 
         split = lambda s: [v.strip() for v in s.split(",") if v.strip()]
-        return bench_main(args.world_size, args.steps, split(args.models), split(args.contestants), args.json,
+        if args.real:
+            from .tools.bench_real import REAL_CONTESTANTS, REAL_MODELS, main as real_main
+
+            return real_main(args.world_size, args.steps, split(args.models or ",".join(REAL_MODELS)),
+                             split(args.contestants or ",".join(REAL_CONTESTANTS)), args.json, args.tiny,
+                             args.default_costs, rows=split(args.rows or "4"), seq=args.seq,
+                             recalibrate=args.recalibrate, rounds=args.rounds, profile_dir=args.profile,
+                             round_ms=args.round_ms, hca_options=args.hca_options)
+        if args.rows is not None or args.seq is not None:
+            parser.error("--rows and --seq go with --real")
+        return bench_main(args.world_size, args.steps, split(args.models or ",".join(MODELS)),
+                          split(args.contestants or ",".join(CONTESTANTS)), args.json,
                           args.tiny, args.default_costs, recalibrate=args.recalibrate, rounds=args.rounds,
                           profile_dir=args.profile, round_ms=args.round_ms, hca_options=args.hca_options)
     if args.command == "calibrate":
-        from .calibrate import calibrate_local
+        from torch_hca.api.calibrate import calibrate_local
 
         print(calibrate_local(args.world_size))
         return 0

@@ -389,10 +389,6 @@ def backward_kinds(src: str, dst: str) -> frozenset[Kind]:
     return frozenset(kinds - {None})
 
 
-def is_collective(target) -> bool:
-    return target in OPS
-
-
 def emit(kind: Kind, x: Tensor, group_name: str, **params: Any) -> Tensor:
     """Shorthand for ``RULES[kind].emit(x, group_name, **params)``."""
     return RULES[kind].emit(x, group_name, **params)

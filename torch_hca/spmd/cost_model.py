@@ -45,7 +45,7 @@ so ``flops_per_s`` is the rate of large matmuls. On one core of the 2-core VM `x
 splitting a batch of 64 rows over two ranks does not halve each one's matmul time.
 
 ``contention`` is for the timeline: while a collective runs, compute runs at
-``1 - contention`` of its speed (`torch_hca.timeline`). Calibration measures it:
+``1 - contention`` of its speed (`torch_hca.report.timeline`). Calibration measures it:
 0.35 to 0.76 between runs on a 2-core VM with two gloo ranks of one thread each.
 
 Figures measured once per machine are kept on disk: ``hca.calibrate(cache=True)``

@@ -27,3 +27,8 @@ def letter(p) -> str:
     if p.is_replicate():
         return "R"
     return "P" if p.is_partial() else f"S{p.dim}"
+
+
+def partial_dims(t) -> tuple[int, ...]:
+    """The mesh dimensions on which a DTensor (a gradient, typically) is still a partial sum."""
+    return tuple(i for i, p in enumerate(t.placements) if p.is_partial())

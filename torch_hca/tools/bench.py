@@ -44,8 +44,8 @@ import json
 import os
 
 from ..errors import HCAError
-from ..launch import launch
-from ..options import Options
+from torch_hca.runtime.launch import launch
+from torch_hca.compiler.options import Options
 # Also the names tests and users reach through the command's module.
 from .bench_models import ALTERNATIVES, CONTESTANTS, MODELS, _expert, applies, specs  # noqa: F401
 from .bench_profile import BREAKDOWN, step_breakdown, traced_step  # noqa: F401

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
-from ..plan import sharded, trace_over_dtensor
+from torch_hca.api.plan import sharded, trace_over_dtensor
 from ..spmd.collective_kinds import Kind, bytes_per_rank
 from . import zoo
 

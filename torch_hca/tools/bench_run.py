@@ -18,12 +18,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .._torch_private import clear_dtensor_sharding_cache, ddp_bucket_bytes, group_backend
-from ..calibrate import cached_calibrate
+from torch_hca.api.calibrate import cached_calibrate
 from ..errors import HCAError
 from ..spmd.collective_kinds import Kind, bytes_per_rank
 from ..spmd.cost_model import DEFAULTS, backend_for, scatter_runs_as_all_reduce
-from ..mesh import init_mesh
-from ..report import report
+from torch_hca.runtime.mesh import init_mesh
+from torch_hca.report.compile_report import report
 from .bench_models import ALTERNATIVES, CONTESTANTS, LR, Spec, analytic_min, applies, build, specs
 from .bench_profile import traced_step
 from .progress import Progress
@@ -58,11 +58,12 @@ class Contestant:
     """One contestant on one model: built, first step (compile, gradient check), timed
     steps in rounds, then the profiled step(s); `rec` collects what each part measures."""
 
-    def __init__(self, spec: Spec, name: str, ref: nn.Module, mesh, costs: dict, hca_options: dict | None = None):
+    def __init__(self, spec: Spec, name: str, ref: nn.Module, mesh, costs: dict, hca_options: dict | None = None,
+                 builder=None):
         n, rank = mesh.size(), dist.get_rank()
         self.spec, self.mesh = spec, mesh
         self.rec = {"model": spec.name, "contestant": name, "world_size": n, "notes": []}
-        self.built = build(spec, name, ref, mesh, costs, hca_options)
+        self.built = (builder or build)(spec, name, ref, mesh, costs, hca_options)
         if hca_options and name.startswith("hca"):
             self.rec["hca_options"] = dict(hca_options)
         self.opt = torch.optim.SGD(self.built.model.parameters(), lr=LR)
@@ -216,18 +217,22 @@ def _reference(spec: Spec, batches_needed: int) -> tuple[nn.Module, dict, list]:
     return ref, {k: p.grad.clone() for k, p in ref_copy.named_parameters()}, batches
 
 
-def _run_model(spec: Spec, contestants: list, cfg: RunConfig, mesh, costs: dict, progress: Progress) -> list:
+def _run_model(spec: Spec, contestants: list, cfg: RunConfig, mesh, costs: dict, progress: Progress, *,
+               applies_to=None, builder=None) -> list:
+    """`applies_to` and `builder`: which contestants run on `spec` and how each is built (default
+    `bench_models.applies` and `build`; `bench --real` brings its own, `bench_real`)."""
+    applies_to = applies_to or applies
     n, rank = dist.get_world_size(), dist.get_rank()
     progress(f"{spec.name}: single-device reference ...")
     ref, ref_grads, batches = _reference(spec, cfg.steps + 2)  # first step, timed steps, profiled step
     amin, why = analytic_min(spec, ref, batches[0], n)
     records, live = [], []
     torch._dynamo.reset()
-    for c in (c for c in contestants if applies(spec, c, n)):
+    for c in (c for c in contestants if applies_to(spec, c, n)):
         progress(f"{spec.name}: {c} ...")
         rec = {"model": spec.name, "contestant": c, "world_size": n, "notes": []}
         try:
-            entry = Contestant(spec, c, ref, mesh, costs, cfg.hca_options)
+            entry = Contestant(spec, c, ref, mesh, costs, cfg.hca_options, builder)
             rec = entry.rec
             entry.first(batches[0], ref_grads)
             live.append(entry)
@@ -266,18 +271,22 @@ def _run_model(spec: Spec, contestants: list, cfg: RunConfig, mesh, costs: dict,
     return records
 
 
+def hca_costs(cfg: RunConfig, mesh, progress: Progress) -> tuple[dict, str]:
+    """hca's cost model in this run, passed to every hca contestant: rank 0's calibrated figures
+    (cached, else measured and cached: what the compiler uses by default), or the defaults;
+    and where they came from."""
+    if cfg.default_costs:
+        return DEFAULTS[backend_for(mesh.device_type)].as_dict(), "defaults"
+    progress("calibrating the cost model on the ranks ..." if cfg.recalibrate else
+             "cost model: the cached calibration, else calibrating on the ranks ...")
+    costs, cached = cached_calibrate(refresh=cfg.recalibrate)
+    return costs, "cached" if cached else "measured"
+
+
 def run_rank(models: list, contestants: list, cfg: RunConfig, since: float | None = None) -> list:
     mesh = init_mesh()
     progress = Progress("bench", since, enabled=dist.get_rank() == 0)
-    # hca's cost model in this run, passed to every hca contestant: rank 0's calibrated figures
-    # (cached, else measured and cached: what the compiler uses by default), or the defaults.
-    if cfg.default_costs:
-        costs, source = DEFAULTS[backend_for(mesh.device_type)].as_dict(), "defaults"
-    else:
-        progress("calibrating the cost model on the ranks ..." if cfg.recalibrate else
-                 "cost model: the cached calibration, else calibrating on the ranks ...")
-        costs, cached = cached_calibrate(refresh=cfg.recalibrate)
-        source = "cached" if cached else "measured"
+    costs, source = hca_costs(cfg, mesh, progress)
     records = []
     # Contestants of one model live side by side: each compiles into its own cache entry
     # (the backend is part of the guard). Shapes stay static as in a fresh process: hca_dp's

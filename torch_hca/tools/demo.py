@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from ..launch import launch
-from ..mesh import init_mesh
-from ..plan import sharded
-from ..report import WIDTH, readable_code, report
+from torch_hca.runtime.launch import launch
+from torch_hca.runtime.mesh import init_mesh
+from torch_hca.api.plan import sharded
+from torch_hca.report.compile_report import WIDTH, readable_code, report
 from . import zoo
 from .progress import Progress
 

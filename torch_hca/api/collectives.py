@@ -1,0 +1,471 @@
+"""Local-view collectives: `hca.collectives`, for code written per rank (Megatron style).
+
+Each op takes a plain local tensor, the group it communicates over, and the
+*role* of its input (``src``) and output (``dst``) along that group. Roles on
+other mesh dimensions are untouched: call one op per mesh dimension. The
+roles decide the backward; the forward is the same collective either way.
+
+Roles (``"R"``, ``"I"``, ``"V"``, ``"P"``, ``"S(d)"``, or DTensor's
+``Replicate()``, ``Partial()``, ``Shard(d)``), and what a rank's *gradient*
+of such a value means::
+
+    role  value on the ranks              a rank's gradient of it
+    R     the same on every rank          the whole gradient, the same on every rank
+    I     the same on every rank          only this rank's summand: the gradient is their sum,
+                                          not summed yet (backward sums it)
+    V     different on every rank         this rank's own
+    P     summands: the value is the sum  the whole gradient, the same on every rank
+    S(d)  this rank's shard along dim d   the gradient of this shard
+
+Declare R when everything downstream computes the same thing on every rank (a
+loss each rank calls ``.backward()`` on); declare I when each rank goes on to
+use the value differently (a column-parallel matmul), so the ranks' gradients
+must be added. NB: spmd_types uses the two letters the other way round (its R
+has a partial gradient, its I a complete one); the meanings above are ours.
+
+Accepted roles, forward, and backward (the transpose from `collective_kinds`,
+or what is left of it when the cotangent is already summed: dst R)::
+
+    op              src -> dst     forward            backward
+    all_reduce      P -> R         all_reduce         nothing (identity)
+                    P -> I         all_reduce         all_reduce
+    all_gather      S(d) -> R      all_gather d       local chunk d
+                    S(d) -> I      all_gather d       reduce_scatter d
+                    V -> R | I     the same on a new dim 0 (stack, not concat)
+    reduce_scatter  P -> S(d)      reduce_scatter d   all_gather d
+                    P -> V         reduce_scatter 0 of an (n, ...) input, dim 0 dropped
+    all_to_all      S(a) -> S(b)   all_to_all a->b    all_to_all b->a      (a != b)
+    broadcast       V -> R         broadcast root     keep the root's gradient, zero elsewhere
+                    V -> I         broadcast root     reduce (sum) to root
+    ppermute        V | S(d) -> V  permute (shift k)  permute (shift -k)
+
+Pictures on three ranks (rows are ranks; ``+`` marks a pending sum)::
+
+    all_reduce P -> R      +a          a+b+c        backward (R):  g  <=  g
+                           +b    =>                  backward (I):  g0+g1+g2  <=  +g0 +g1 +g2
+                           +c
+    all_gather S(0) -> R   [a]
+                           [b]   =>   [a b c]       backward (R): [ga] [gb] [gc]  <=  [ga gb gc]
+                           [c]
+    reduce_scatter P -> S  +[a0 b0 c0]     [a0+a1+a2]
+                           +[a1 b1 c1] =>  [b0+b1+b2]   backward: [ga gb gc]  <=  [ga] [gb] [gc]
+                           +[a2 b2 c2]     [c0+c1+c2]
+    ppermute shift 1       a               c
+                           b       =>      a            backward: shift -1
+                           c               b
+
+Anything else raises `RoleError`, naming the op, the roles, and the fix. The
+classic trap: ``all_reduce(loss, src="R", ...)`` would count a replicated
+value n times; declare it P if each rank holds a summand, or do not reduce it.
+
+Before gloo sees an eager call (forward or backward), the ranks of its group
+compare it through the rendezvous store: ranks that disagree on the op, roles,
+root, shift, local shape or dtype get a `CollectiveError` listing each rank's
+call (gloo would abort the process), and a call on some ranks only is a
+`CheckError` naming the others after `torch_hca.runtime.mesh.timeout_s()`. Compiled
+calls are not checked; `unchecked()` turns the check off for a block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from torch_hca._torch_private import group_members, group_rank, group_size
+from torch_hca.spmd.collective_kinds import RULES, Kind
+from torch_hca.errors import CollectiveError, MeshError, RoleError
+from torch_hca.runtime.exchange import exchange, needs_exchange
+from torch_hca.runtime.mesh import current_mesh
+
+Tensor = torch.Tensor
+
+__all__ = ["Role", "all_gather", "all_reduce", "all_to_all", "broadcast", "ppermute", "reduce_scatter", "role",
+           "unchecked"]
+
+
+# ----------------------------------------------------------------- roles
+
+@dataclass(frozen=True)
+class Role:
+    kind: str               # "R", "I", "V", "P" or "S"
+    dim: int | None = None  # the sharded dim, for "S"
+
+    def __str__(self) -> str:
+        return f"S({self.dim})" if self.kind == "S" else self.kind
+
+
+_ROLE_TEXT = re.compile(r"^\s*(?:([RIVP])|S\(\s*(-?\d+)\s*\))\s*$")
+
+
+def role(spec: Any) -> Role:
+    """A `Role` from ``"R"``, ``"I"``, ``"V"``, ``"P"``, ``"S(d)"`` or a DTensor placement."""
+    if isinstance(spec, Role):
+        return spec
+    if isinstance(spec, Replicate):
+        return Role("R")
+    if isinstance(spec, Partial):
+        return Role("P")
+    if isinstance(spec, Shard):
+        return Role("S", spec.dim)
+    match = _ROLE_TEXT.match(spec) if isinstance(spec, str) else None
+    if match is None:
+        raise RoleError(
+            f"hca.collectives: {spec!r} is not a role; write 'R', 'I', 'V', 'P', 'S(d)' "
+            "(d a tensor dim), or a Replicate(), Partial(), Shard(d) placement"
+        )
+    return Role(match[1]) if match[1] else Role("S", int(match[2]))
+
+
+# ----------------------------------------------------------------- groups
+
+@dataclass(frozen=True)
+class _Where:
+    group_name: str
+    rank: int
+    size: int
+
+
+def _where(group: Any, mesh_dim: int | str | None) -> _Where:
+    """The group to communicate over: a ProcessGroup, a group name, a DeviceMesh
+    dimension (``group=mesh, mesh_dim=...``, or the current mesh), or the world."""
+    if isinstance(group, str):
+        try:
+            return _Where(group, group_rank(group), group_size(group))
+        except Exception:
+            raise MeshError(
+                f"hca.collectives: group={group!r} names no process group of this process; pass a ProcessGroup, "
+                "a DeviceMesh with mesh_dim=, or the group_name of one"
+            ) from None
+    if not dist.is_initialized():
+        raise MeshError(
+            "hca.collectives: no process group is initialized; run under torchrun or "
+            "hca.launch, and call hca.init_mesh() first"
+        )
+    if group is None and mesh_dim is not None:
+        group = current_mesh()
+        if group is None:
+            raise MeshError(f"hca.collectives: mesh_dim={mesh_dim!r} given but no mesh; call hca.init_mesh(...) first")
+    if hasattr(group, "get_group"):  # a DeviceMesh
+        group = group.get_group(_mesh_dim(group, mesh_dim))
+    group = dist.group.WORLD if group is None else group
+    if not isinstance(group, dist.ProcessGroup):
+        raise MeshError(
+            f"hca.collectives: group={group!r} is not a group; pass a ProcessGroup, a DeviceMesh (with mesh_dim=), "
+            "a group name, or nothing for the world"
+        )
+    return _Where(group.group_name, dist.get_rank(group), dist.get_world_size(group))
+
+
+def _mesh_dim(mesh: Any, mesh_dim: int | str | None) -> int | str:
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh_dim is None:
+        return 0
+    if isinstance(mesh_dim, str) and mesh_dim in names:
+        return mesh_dim
+    if isinstance(mesh_dim, int) and not isinstance(mesh_dim, bool) and 0 <= mesh_dim < mesh.ndim:
+        return mesh_dim
+    raise MeshError(
+        f"hca.collectives: mesh_dim={mesh_dim!r} is not a dimension of the {mesh.ndim}-D mesh "
+        f"{tuple(mesh.shape)}; use 0..{mesh.ndim - 1}" + (f" or one of the names {names}" if names else "")
+    )
+
+
+# ------------------------------------------------------ the autograd core
+
+# A step is (kind, params): a kind of the table, or "keep_root" (the local part of
+# `reduce` when the cotangent is already summed). A plan is a tuple of steps.
+_KEEP_ROOT = "keep_root"
+
+
+def _step(kind: Kind | str, **params: Any) -> tuple:
+    return (kind, tuple(sorted(params.items())))
+
+
+def _run(plan: tuple, x: Tensor, where: _Where) -> Tensor:
+    for kind, params in plan:
+        if kind == _KEEP_ROOT:
+            x = x if where.rank == dict(params)["root"] else torch.zeros_like(x)
+        else:
+            x = RULES[kind].emit(x, where.group_name, rank=where.rank, size=where.size, **dict(params))
+    return x
+
+
+class _Collective(torch.autograd.Function):
+    """Forward: run the plan `fwd`; backward: run the plan `bwd` on the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, where: _Where, fwd: tuple, bwd: tuple) -> Tensor:
+        ctx.where, ctx.bwd = where, bwd
+        _agree(where, "forward", fwd, x, then=bwd)
+        return _run(fwd, x, where)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        _agree(ctx.where, "backward", ctx.bwd, grad)
+        return _run(ctx.bwd, grad, ctx.where), None, None, None
+
+
+# ------------------------------------------------------ cross-rank agreement
+
+# gloo aborts the process (SIGABRT) when the ranks of a group disagree on a
+# collective's size or dtype, and waits for a rank that never calls. So before
+# gloo sees a call, the group's ranks post what they are about to do through the
+# store and compare: a mismatch is a CollectiveError naming the ranks, a rank
+# that never comes a CheckError naming it after `torch_hca.runtime.mesh.timeout_s()`.
+# Only eagerly: under torch.compile the graph was traced from a checked program.
+# Per call, not per distinct call: a rank-dependent shape alternates between
+# shapes every rank has already shown (an uneven last batch), so a cache of
+# checked signatures would let the abort through.
+
+_unchecked_depth = 0
+
+
+@contextlib.contextmanager
+def unchecked():
+    """Skip the cross-rank check of each call inside this block.
+
+    The check costs one store exchange per eager call (about 1 ms on 2 gloo
+    ranks, docs/reliability.md). Use this only around calls known to agree on
+    every rank: a disagreement then aborts the process in gloo, or hangs.
+    """
+    global _unchecked_depth
+    _unchecked_depth += 1
+    try:
+        yield
+    finally:
+        _unchecked_depth -= 1
+
+
+def _plan_text(plan: tuple) -> str:
+    steps = (f"{getattr(k, 'value', k)}({', '.join(f'{n}={v}' for n, v in params)})" for k, params in plan)
+    return " then ".join(steps) or "nothing"
+
+
+def _communicates(plan: tuple) -> bool:
+    return any(kind in RULES and RULES[kind].communicates for kind, _ in plan)
+
+
+def _agree(where: _Where, direction: str, plan: tuple, x: Tensor, then: tuple = ()) -> None:
+    """Every rank of the group is about to run `plan` on a tensor of x's shape and dtype, or raise."""
+    if torch.compiler.is_compiling() or _unchecked_depth or not _communicates(plan) or not needs_exchange():
+        return
+    call = f"{direction} {_plan_text(plan)} on {str(x.dtype).removeprefix('torch.')}{list(x.shape)}"
+    if direction == "forward":
+        call += f", backward {_plan_text(then)}"  # the roles: dst R and I differ only here
+    members = group_members(where.group_name)
+    group = "the world" if len(members) == dist.get_world_size() else f"group {where.group_name} (ranks {members})"
+    texts = exchange(f"collectives/{where.group_name}", call, members, f"hca.collectives ({call}) over {group}")
+    texts[dist.get_rank()] = call
+    if len(set(texts.values())) == 1:
+        return
+    calls: dict[str, list[int]] = {}
+    for r in sorted(texts):
+        calls.setdefault(texts[r], []).append(r)
+    raise CollectiveError(
+        f"hca.collectives: the ranks of {group} disagree on the collective they call: "
+        + "; ".join(f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}: {c}" for c, rs in calls.items())
+        + ". Every rank of the group must make the same call (op, roles, root or shift) on a tensor of the "
+        "same local shape and dtype (gloo would abort the process); look for a rank-dependent shape, such as "
+        "an uneven last batch, or a rank-dependent branch"
+    )
+
+
+# What is left of a summing transpose when the cotangent it would sum is already
+# the whole gradient on every rank (dst R): the sum is done, only the local part stays.
+_SUMMED = {
+    Kind.ALL_REDUCE: lambda params: (),
+    Kind.REDUCE_SCATTER: lambda params: (_step(Kind.LOCAL_CHUNK, **params),),
+    Kind.REDUCE: lambda params: (_step(_KEEP_ROOT, **params),),
+}
+
+
+def _differentiable(x: Tensor, where: _Where, kind: Kind, dst: Role, **params: Any) -> Tensor:
+    """Apply `kind`; backward is its transpose from the table, reduced to its local part for dst R."""
+    if not isinstance(x, Tensor):
+        raise CollectiveError(
+            f"hca.collectives.{kind.value}: the value {x!r} is a {type(x).__name__}, not a tensor; pass this rank's tensor"
+        )
+    rule = RULES[kind]
+    back_params = rule.transpose_params(params)
+    if dst.kind == "R" and rule.transpose in _SUMMED:
+        bwd = _SUMMED[rule.transpose](back_params)
+    else:
+        bwd = (_step(rule.transpose, **back_params),)
+    return _Collective.apply(x, where, (_step(kind, **params),), bwd)
+
+
+# ------------------------------------------------------------ role checks
+
+def _reject(op: str, src: Role, dst: Role, why: str) -> RoleError:
+    return RoleError(f"hca.collectives.{op}(src='{src}', dst='{dst}'): {why}")
+
+
+def _dst_same_everywhere(op: str, src: Role, dst: Role) -> None:
+    if dst.kind not in ("R", "I"):
+        raise _reject(op, src, dst, (
+            f"the result of {op} is the same on every rank, so dst must be 'R' (its gradient is the "
+            "same on every rank, e.g. a loss every rank calls backward on) or 'I' (each rank's gradient "
+            "is a summand, e.g. it feeds a column-parallel matmul)"
+            + ("; for a shard of a sum use reduce_scatter(src='P', dst='S(d)')" if op == "all_reduce" else "")
+        ))
+
+
+def _src_partial(op: str, src: Role, dst: Role, n: int) -> None:
+    if src.kind in ("R", "I"):
+        raise _reject(op, src, dst, (
+            f"a value declared {src} is already the same on every rank; {op} sums it over the "
+            f"{n} ranks, counting it {n} times. Declare src='P' if each rank holds a summand, or do "
+            "not reduce it" + (" (take this rank's shard with x.chunk(n, d)[rank])" if op == "reduce_scatter" else "")
+        ))
+    if src.kind != "P":
+        raise _reject(op, src, dst, (
+            f"{op} sums its input over the ranks, so src must be 'P'; if the value is the sum of "
+            f"the ranks' values declare src='P', and to collect {src} pieces use all_gather(src='{src}')"
+        ))
+
+
+# --------------------------------------------------------- the collectives
+
+def all_reduce(x: Tensor, src: Any, dst: Any, *, group: Any = None, mesh_dim: int | str | None = None) -> Tensor:
+    """Sum `x` over the group; every rank gets the sum. Accepts P -> R and P -> I.
+
+    ::
+
+        +a                     backward, dst R:  g  <=  g          (the loss case)
+        +b  =>  a+b+c          backward, dst I:  g0+g1+g2  <=  +g0 +g1 +g2
+        +c
+    """
+    src, dst = role(src), role(dst)
+    where = _where(group, mesh_dim)
+    _src_partial("all_reduce", src, dst, where.size)
+    _dst_same_everywhere("all_reduce", src, dst)
+    return _differentiable(x, where, Kind.ALL_REDUCE, dst)
+
+
+def all_gather(x: Tensor, src: Any, dst: Any, *, group: Any = None, mesh_dim: int | str | None = None) -> Tensor:
+    """Concatenate the ranks' shards (S(d) -> R | I), or stack their values on a new dim 0 (V -> R | I).
+
+    ::
+
+        [a]                     backward, dst R: this rank's chunk of the gradient (no communication)
+        [b]  =>  [a b c]        backward, dst I: reduce_scatter of the ranks' gradients
+        [c]
+    """
+    src, dst = role(src), role(dst)
+    where = _where(group, mesh_dim)
+    if src.kind in ("R", "I"):
+        raise _reject("all_gather", src, dst,
+                      "the value is already whole on every rank; there is nothing to gather, use it as it is")
+    if src.kind == "P":
+        raise _reject("all_gather", src, dst, (
+            "a partial value must be summed, not gathered: all_reduce(src='P', dst='R'), "
+            "or reduce_scatter then all_gather"
+        ))
+    _dst_same_everywhere("all_gather", src, dst)
+    if src.kind == "V":
+        return _differentiable(x.unsqueeze(0), where, Kind.ALL_GATHER, dst, dim=0)
+    return _differentiable(x, where, Kind.ALL_GATHER, dst, dim=src.dim)
+
+
+def reduce_scatter(x: Tensor, src: Any, dst: Any, *, group: Any = None, mesh_dim: int | str | None = None) -> Tensor:
+    """This rank's shard of the sum over the group: P -> S(d), or P -> V (input (n, ...), row `rank`).
+
+    ::
+
+        +[a0 b0 c0]      [a0+a1+a2]
+        +[a1 b1 c1]  =>  [b0+b1+b2]      backward: all_gather of the shard gradients
+        +[a2 b2 c2]      [c0+c1+c2]
+    """
+    src, dst = role(src), role(dst)
+    where = _where(group, mesh_dim)
+    _src_partial("reduce_scatter", src, dst, where.size)
+    if dst.kind not in ("S", "V"):
+        raise _reject("reduce_scatter", src, dst, (
+            "reduce_scatter leaves each rank a different shard, so dst must be 'S(d)' or 'V'; "
+            "for the whole sum on every rank use all_reduce(src='P', dst='R')"
+        ))
+    if dst.kind == "S":
+        return _differentiable(x, where, Kind.REDUCE_SCATTER, dst, dim=dst.dim)
+    if x.dim() == 0 or x.shape[0] != where.size:
+        raise CollectiveError(
+            f"hca.collectives.reduce_scatter(src='P', dst='V'): the input's dim 0 must be the group "
+            f"size {where.size} (one row per rank), got shape {tuple(x.shape)}; or declare dst='S(0)'"
+        )
+    return _differentiable(x, where, Kind.REDUCE_SCATTER, dst, dim=0).squeeze(0)
+
+
+def all_to_all(x: Tensor, src: Any, dst: Any, *, group: Any = None, mesh_dim: int | str | None = None) -> Tensor:
+    """Trade this rank's shard along dim a for its shard along dim b: S(a) -> S(b), a != b.
+
+    ::
+
+        [a0 a1 a2]      [a0 b0 c0]
+        [b0 b1 b2]  =>  [a1 b1 c1]       (rows: ranks; S(0) -> S(1) of a 3x3 block matrix)
+        [c0 c1 c2]      [a2 b2 c2]       backward: all_to_all S(b) -> S(a)
+    """
+    src, dst = role(src), role(dst)
+    where = _where(group, mesh_dim)
+    if src.kind != "S" or dst.kind != "S":
+        raise _reject("all_to_all", src, dst, "all_to_all trades one shard for another: write src='S(a)', dst='S(b)'")
+    a, b = (d % max(x.dim(), 1) for d in (src.dim, dst.dim))
+    if a == b:
+        raise _reject("all_to_all", src, dst,
+                      "src and dst shard the same dim; the value is already sharded that way, do not move it")
+    return _differentiable(x, where, Kind.ALL_TO_ALL, dst, src_dim=src.dim, dst_dim=dst.dim)
+
+
+def broadcast(x: Tensor, src: Any, dst: Any, *, root: int = 0, group: Any = None,
+              mesh_dim: int | str | None = None) -> Tensor:
+    """Every rank gets rank `root`'s value (root: the rank within the group). Accepts V -> R | I.
+
+    ::
+
+        a                    backward, dst R: the root keeps the gradient, the others get zero
+        b  =>  b  (root 1)   backward, dst I: the ranks' gradients summed onto the root
+        c
+    """
+    src, dst = role(src), role(dst)
+    where = _where(group, mesh_dim)
+    if src.kind in ("R", "I"):
+        raise _reject("broadcast", src, dst,
+                      "the value is already the same on every rank; there is nothing to broadcast")
+    if src.kind != "V":
+        raise _reject("broadcast", src, dst,
+                      f"broadcast copies the root's value, so src must be 'V' (a {src} value is not the root's alone)")
+    _dst_same_everywhere("broadcast", src, dst)
+    if isinstance(root, bool) or not isinstance(root, int):
+        raise CollectiveError(f"hca.collectives.broadcast: root={root!r} must be an int, the root's rank within the group")
+    return _differentiable(x, where, Kind.BROADCAST, dst, root=root)
+
+
+def ppermute(x: Tensor, src: Any, dst: Any, *, shift: int | None = None, perm=None, group: Any = None,
+             mesh_dim: int | str | None = None) -> Tensor:
+    """Send this rank's value to rank ``rank + shift`` (mod n), or to ``perm[rank]``. Accepts V | S(d) -> V.
+
+    ::
+
+        a        c
+        b   =>   a      (shift 1)      backward: shift -1 (the inverse permutation)
+        c        b
+    """
+    src, dst = role(src), role(dst)
+    where = _where(group, mesh_dim)
+    if src.kind not in ("V", "S") or dst.kind != "V":
+        raise _reject("ppermute", src, dst, (
+            "ppermute moves each rank's value to another rank, so the result differs per rank: "
+            "write src='V' (or 'S(d)'), dst='V'"
+        ))
+    if (shift is None) == (perm is None):
+        raise CollectiveError(
+            "hca.collectives.ppermute: give exactly one of shift= (a ring shift) or perm= (rank r sends to perm[r])"
+        )
+    if shift is not None and (isinstance(shift, bool) or not isinstance(shift, int)):
+        raise CollectiveError(f"hca.collectives.ppermute: shift={shift!r} must be an int (rank r sends to r + shift mod n)")
+    route = {"shift": shift} if perm is None else {"perm": tuple(perm)}
+    return _differentiable(x, where, Kind.PERMUTE, dst, **route)

@@ -1,0 +1,171 @@
+"""Functions the passes insert into the DTensor program.
+
+They are plain Python over DTensors, so the rewritten program stays
+printable, runs eagerly (the reference) and traces through AOTAutograd.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Placement, Replicate
+from torch.utils._pytree import tree_leaves, tree_map
+
+from torch_hca._torch_private import redistribute_to_partial
+from torch_hca.errors import UnsupportedError
+from torch_hca.compiler.logical import ScaleGrad, contiguous_stride, mesh_of
+
+
+def redistribute(x: DTensor, placements: tuple[Placement, ...]) -> DTensor:
+    """An explicit placement change chosen by the layout pass."""
+    if any(p.is_partial() and p != q for p, q in zip(placements, x.placements)):
+        if any(p.is_partial() and q.is_shard() for p, q in zip(placements, x.placements)):
+            # DTensor has no S -> P: gather first (what the layout solver costs it as).
+            x = x.redistribute(x.device_mesh, [Replicate() if p.is_partial() and q.is_shard() else q
+                                               for p, q in zip(placements, x.placements)])
+        return redistribute_to_partial(x, placements)
+    return x.redistribute(x.device_mesh, placements)
+
+
+def from_local(local: torch.Tensor, mesh: int, placements: tuple[Placement, ...], shape: list[int]) -> DTensor:
+    """A forward argument (this rank's piece) as the DTensor it belongs to: the input's stated layout."""
+    return DTensor.from_local(local, mesh_of(mesh), placements, run_check=False, shape=torch.Size(shape),
+                              stride=contiguous_stride(shape))
+
+
+def replicate(t: torch.Tensor, mesh: int) -> DTensor:
+    """A value made in the graph (a mask, an ``arange``, a buffer): every rank makes the same one."""
+    m = mesh_of(mesh)
+    return DTensor.from_local(t, m, (Replicate(),) * m.ndim, run_check=False)
+
+
+def to_output(x: DTensor, placements: tuple[Placement, ...], grad_scale: float = 1.0) -> torch.Tensor:
+    """A result as this rank's piece in the layout the caller receives (its cotangent times `grad_scale`)."""
+    local = x.redistribute(x.device_mesh, placements).to_local(grad_placements=placements)
+    return local if grad_scale == 1.0 else ScaleGrad.apply(local, grad_scale)
+
+
+
+def dropout(x: DTensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> DTensor:
+    """``F.dropout`` of a DTensor as one device draws it (torch_hca.compiler.randomness).
+
+    Every rank draws the whole noise tensor from its default generator, as ``F.dropout``
+    does on one CPU (``bernoulli_(1 - p)``, then ``div_(1 - p)``), and multiplies its piece
+    of `x` by its piece of it: a shard keeps its slice (no communication), a partial sum
+    the whole (the mask is linear). The lift pass makes an in-place dropout out of place.
+    """
+    if p < 0.0 or p > 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if not training or p == 0.0:
+        return x
+    if p == 1.0:
+        return x * 0.0
+    noise = torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)
+    mesh = x.device_mesh
+    pieces = tuple(q if q.is_shard() else Replicate() for q in x.placements)
+    noise = DTensor.from_local(noise, mesh, (Replicate(),) * mesh.ndim, run_check=False).redistribute(mesh, pieces)
+    return x * noise
+
+
+# Callables `run_local` may name (FX arguments stay printable as strings).
+LOCAL_FUNCTIONS: dict[str, Any] = {}
+
+
+def local_function(fn) -> str:
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    LOCAL_FUNCTIONS.setdefault(name, fn)
+    return name
+
+
+def run_local(kind: str, target: str, item: int | None, *args, **kwargs):
+    """An op DTensor has no sharding rule for, run replicated: every rank computes it whole.
+
+    ``kind`` is "method" (``target`` a tensor method name) or "function" (a
+    name registered by `local_function`); ``item`` picks one result of an op
+    that returns several.
+    """
+    mesh = next(a.device_mesh for a in tree_leaves((args, kwargs)) if isinstance(a, DTensor))
+    full = (Replicate(),) * mesh.ndim
+    unwrap = lambda a: a.redistribute(mesh, full).to_local() if isinstance(a, DTensor) else a
+    args, kwargs = tree_map(unwrap, (args, kwargs))
+    out = getattr(args[0], target)(*args[1:], **kwargs) if kind == "method" else LOCAL_FUNCTIONS[target](*args, **kwargs)
+    if item is not None:
+        out = out[item]
+    wrap = lambda t: DTensor.from_local(t, mesh, full, run_check=False) if isinstance(t, torch.Tensor) else t
+    return tree_map(wrap, out)
+
+
+def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """`F.scaled_dot_product_attention` written with ops DTensor has sharding rules for.
+
+    DTensor has no rule for the CPU flash kernel, and its math path mixes a
+    plain causal mask with DTensors; here the mask is a replicated DTensor.
+    """
+    if dropout_p:
+        raise UnsupportedError(
+            f"scaled_dot_product_attention with dropout_p={dropout_p}: attention dropout is not supported on "
+            "DTensors yet; set the model's attention dropout to 0.0 (e.g. config.attn_pdrop / attention_dropout), "
+            "or apply dropout outside attention"
+        )
+    if enable_gqa:
+        raise UnsupportedError("scaled_dot_product_attention(enable_gqa=True) is not supported yet")
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    if q.dim() == 4:
+        # Heads first, then one flat batch of (head, batch) pairs for bmm: DTensor
+        # can flatten (sharded heads, batch) under a symbolic batch size, but not
+        # the (batch, sharded heads) that matmul's own broadcasting flattens.
+        h, b, lq = q.size(1), q.size(0), q.size(2)
+        flat = lambda t: t.transpose(0, 1).reshape(h * b, t.size(2), t.size(3))
+        out = _attention(flat(q), flat(k), flat(v), attn_mask, is_causal, scale)
+        return out.view(h, b, lq, v.size(3)).transpose(0, 1)
+    return _attention(q, k, v, attn_mask, is_causal, scale)
+
+
+def _attention(q, k, v, attn_mask, is_causal: bool, scale: float):
+    scores = torch.bmm(q, k.transpose(-2, -1)) * scale if q.dim() == 3 else torch.matmul(q, k.transpose(-2, -1)) * scale
+    if is_causal:
+        keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril()
+        scores = scores.masked_fill(~_like(keep, scores), float("-inf"))
+    if attn_mask is not None:
+        mask = _like(attn_mask, scores)
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask
+    probs = torch.softmax(scores, dim=-1)
+    return torch.bmm(probs, v) if probs.dim() == 3 else torch.matmul(probs, v)
+
+
+def _like(t: torch.Tensor, ref) -> torch.Tensor:
+    """A plain tensor as a replicated DTensor on `ref`'s mesh (plain if `ref` is)."""
+    if not isinstance(ref, DTensor) or isinstance(t, DTensor):
+        return t
+    mesh = ref.device_mesh
+    return DTensor.from_local(t.to(ref.device), mesh, (Replicate(),) * mesh.ndim, run_check=False)
+
+
+class _EagerGradient(torch.autograd.Function):
+    """Identity forward; backward sums a partial gradient back to the parameter's layout.
+
+    The cotangent of a replicated parameter used by a split batch is partial
+    (docs/theory.md, section 1: E_R* = Q_P). Under the eager role that sum happens
+    here, inside the backward graph, as one collective per parameter.
+    """
+
+    @staticmethod
+    def forward(ctx, p: DTensor) -> DTensor:
+        ctx.placements = tuple(p.placements)
+        return p  # no copy, no view: only the backward matters
+
+    @staticmethod
+    def backward(ctx, grad: DTensor) -> DTensor:
+        if isinstance(grad, DTensor) and tuple(grad.placements) != ctx.placements:
+            return grad.redistribute(grad.device_mesh, ctx.placements)
+        return grad
+
+
+def reduce_gradient_eagerly(p: DTensor) -> DTensor:
+    """A parameter read whose gradient is reduced inside backward (the eager role)."""
+    return _EagerGradient.apply(p)

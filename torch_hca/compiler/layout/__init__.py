@@ -1,0 +1,1 @@
+"""The layout choice: each op's candidate strategies (`candidates`) and the global solver (`solver`)."""

@@ -1,0 +1,378 @@
+"""What the layout solver chooses from: each op's candidate strategies, found by asking DTensor.
+
+Every combination of input layouts an op may read (`offered_read`, limited by
+`MAX_COMBOS`) is run on fake DTensors (`probe`; on a mesh of several dims, only
+where each dim's part runs alone on that dim's 1-D mesh); the ones DTensor executes
+without redistributing on its own are kept, with the output layout its sharding
+rule gives and the op's compute time under the cost model. Parameters keep
+their storage layout or are gathered; program inputs and explicit
+redistributions are fixed (`build_ops`). `torch_hca.compiler.layout.solver` then picks
+one strategy per op.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+from torch_hca.compiler import dtensor_ops
+from torch_hca._torch_private import quiet_cpu_alltoall_fallback, record_implicit_redistributions
+from torch_hca.spmd.cost_model import CostModel, smallest_matmul_dim
+from torch_hca.spmd.op_families import TORCH_MATMULS, TORCH_VIEWS, torch_flops
+from torch_hca.spmd.placements import letter
+from torch_hca.errors import UnsupportedError
+from torch_hca.compiler.logical import local_shape
+
+Layout = tuple[Placement, ...]
+PARAMETER = "parameter storage"
+
+# Beyond this many input-layout combinations for one op, activations only try
+# the layouts their producer can write, plus replicated.
+MAX_COMBOS = 256
+
+# Ops whose reads are fixed: a result's layout for the caller, or replicated for an op DTensor
+# cannot shard (both move their inputs themselves).
+FIXED_READS: dict[Callable, Callable[[fx.Node, DeviceMesh], Layout]] = {
+    dtensor_ops.to_output: lambda node, mesh: tuple(node.args[1]),
+    dtensor_ops.run_local: lambda node, mesh: (Replicate(),) * mesh.ndim,
+}
+
+# Ops linear in each argument, whose DTensor rules are trusted with Partial inputs. A rule is
+# not trusted otherwise: DTensor's convolution rule accepts a partial weight and bias and
+# returns conv(x, W/n) + b/n on each rank, which sums to the wrong value.
+PARTIAL_OK = {"add", "iadd", "sub", "isub", "neg", "mul", "imul", "truediv", "div", "sum", "matmul", "mm", "bmm",
+              "linear", "addmm", "baddbmm", "cat", "stack", "view", "reshape", "transpose", "permute", "unsqueeze",
+              "squeeze", "expand", "flatten", "t", "contiguous", "narrow", "select", "getitem", "clone", "to",
+              "float", "type_as"}
+
+
+# Ops whose DTensor rules are not trusted with any split: read whole on every rank. Batch
+# norm's rule accepts channel-split inputs with replicated running statistics (the local op
+# then fails), and a batch split would normalize each rank's rows by their own statistics.
+REPLICATED_ONLY = {"batch_norm", "instance_norm"}
+# Ops whose DTensor rule is trusted only for a batch split of the first input (the rest whole):
+# the convolution rule also accepts a channel-split weight with a whole bias (the local op fails)
+# and partial weights (wrong sums).
+BATCH_SPLIT_ONLY = {"conv1d", "conv2d", "conv3d"}
+
+
+def offered_read(name: str, slot: int, layout: Layout) -> bool:
+    """Whether op `name` may read its `slot`-th DTensor input in `layout`: where its DTensor
+    rule is trusted (PARTIAL_OK, REPLICATED_ONLY, BATCH_SPLIT_ONLY above)."""
+    whole = all(isinstance(p, Replicate) for p in layout)
+    if name in REPLICATED_ONLY:
+        return whole
+    if name in BATCH_SPLIT_ONLY:
+        return whole or slot == 0 and all(isinstance(p, Replicate) or isinstance(p, Shard) and p.dim == 0 for p in layout)
+    return name in PARTIAL_OK or not any(isinstance(p, Partial) for p in layout)
+
+
+def op_name(node: fx.Node) -> str:
+    t = node.target
+    return t if isinstance(t, str) else getattr(t, "__name__", "")
+
+
+
+
+@dataclass(frozen=True)
+class Strategy:
+    inputs: tuple[Layout, ...]  # one per DTensor input (the op's `slots`)
+    output: Layout
+    varying: tuple[bool, ...]   # per mesh dimension: the op's work is split over it
+    compute_s: float            # forward + backward
+    memory_bytes: float         # this rank's bytes of the result
+
+
+@dataclass
+class Op:
+    """One node of the program with its candidate strategies."""
+
+    node: fx.Node
+    slots: list[fx.Node]
+    strategies: list[Strategy]
+    fixed: str | None = None        # why there is a single choice
+    redistributes_itself: bool = False  # an explicit `.redistribute` in the user's program
+    requires_grad: bool = False
+    value: Any = None               # the fake DTensor Dynamo traced
+    is_parameter: bool = False      # its moves and gradient reductions are bucketed
+
+
+# ----------------------------------------------------------------------------- candidates and probes
+
+
+def split_factor(p: Placement, n: int) -> int:
+    return n if isinstance(p, Shard) else 1
+
+
+def value_bytes(v: Any) -> float:
+    return float(v.numel() * v.element_size())
+
+
+
+def candidate_layouts(value: DTensor, mesh: DeviceMesh, storage: Layout | None) -> list[Layout]:
+    """Layouts a consumer may read `value` in.
+
+    A parameter (``storage`` given) is read as stored, gathered on any of its
+    sharded mesh dimensions, or as one summand where replicated (a bias added
+    to a partial sum); anything else in every layout whose shards divide
+    evenly.
+    """
+    if storage is not None:
+        options = [(p, Replicate(), Partial()) if isinstance(p, Shard) else (p, Partial()) for p in storage]
+        return list(dict.fromkeys(itertools.product(*options)))
+    shape = value.shape
+    # On a mesh dim of one rank every placement holds the same data: read it replicated.
+    per_dim = [[Replicate(), Partial()] + [Shard(d) for d in range(len(shape)) if _divides(shape[d], n)]
+               if n > 1 else [Replicate()] for n in mesh.shape]
+    layouts = []
+    for layout in itertools.product(*per_dim):
+        ways = {}
+        for m, p in enumerate(layout):
+            if isinstance(p, Shard):
+                ways[p.dim] = ways.get(p.dim, 1) * mesh.shape[m]
+        if all(_divides(shape[d], w) for d, w in ways.items()):
+            layouts.append(layout)
+    return layouts
+
+
+def _divides(size: Any, n: int) -> bool:
+    return isinstance(size, int) and size % n == 0 and size >= n
+
+
+def _fake_dtensor(like: DTensor, layout: Layout, mesh: DeviceMesh | None = None) -> DTensor:
+    """A DTensor of `like`'s global shape in `layout` over `mesh` (default: `like`'s mesh)."""
+    mesh = mesh if mesh is not None else like.device_mesh
+    data = torch.empty(local_shape(like.shape, layout, mesh.shape), dtype=like.dtype, device=like._local_tensor.device)
+    return DTensor.from_local(data, mesh, layout, run_check=False, shape=like.shape, stride=like.stride())
+
+
+def call_node(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> Any:
+    """Run one FX node on given arguments (the layout pass and the probes both do)."""
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    if node.op == "call_module":
+        return gm.get_submodule(node.target)(*args, **kwargs)
+    if node.op == "get_attr":
+        return _attr(gm, node.target)
+    raise UnsupportedError(f"layout: unexpected node kind {node.op} at {node.name}")
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _describe_arg(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return ("tensor", tuple(a.shape), a.dtype)
+    if isinstance(a, (int, float, bool, str, type(None), torch.dtype, torch.device)):
+        return a
+    return repr(a)
+
+
+# (op, args described, layouts) -> (output layout or None) ; shared by every compile in the process
+_PROBES: dict[Any, Layout | None] = {}
+
+
+def probe(gm: fx.GraphModule, node: fx.Node, slots: list[fx.Node], layouts: tuple[Layout, ...], value_of,
+          mesh: DeviceMesh | None = None) -> Layout | None:
+    """The layout DTensor writes when `node` reads `slots` in `layouts` over `mesh` (default: the
+    traced values' mesh); None if it would redistribute."""
+    swap = dict(zip(slots, layouts))
+    described = fx.node.map_arg((node.args, node.kwargs), lambda n: ("slot", slots.index(n)) if n in swap else _describe_arg(value_of(n)))
+    target = node.target if node.op != "call_module" else type(gm.get_submodule(node.target))
+    mesh = mesh if mesh is not None else value_of(slots[0]).device_mesh
+    key = (node.op, target, repr(described), tuple(tuple(map(letter, lay)) for lay in layouts),
+           tuple(tuple(value_of(s).shape) for s in slots), tuple(mesh.shape))
+    if key in _PROBES:
+        return _PROBES[key]
+    args, kwargs = fx.node.map_arg(
+        (node.args, node.kwargs), lambda n: _fake_dtensor(value_of(n), swap[n], mesh) if n in swap else value_of(n)
+    )
+    result = None
+    try:
+        # A probe that makes DTensor move Shard(i) -> Shard(j) on a CPU mesh would log its
+        # gloo all_to_all fallback warning: about a move the program may never make.
+        with record_implicit_redistributions() as events, quiet_cpu_alltoall_fallback():
+            out = call_node(gm, node, args, kwargs)
+        # Only plain Shard / Replicate / Partial results: DTensor cannot always move a
+        # _StridedShard (a flattened dim whose inner part is sharded) while tracing,
+        # and its view rules mislabel some (tests/test_op_families.py, KNOWN_WRONG).
+        if not events and isinstance(out, DTensor) and all(type(p) in (Shard, Replicate, Partial) for p in out.placements):
+            result = tuple(out.placements)
+    except Exception:  # a combination DTensor has no rule for
+        result = None
+    _PROBES[key] = result
+    return result
+
+
+def _submeshes(mesh: DeviceMesh) -> list[tuple[int, DeviceMesh]]:
+    """(mesh dim, its 1-D mesh) for each dim of a mesh of two or more dims with more than one rank.
+
+    DTensor builds a sharding rule on several mesh dims as the product of its rules on one
+    (`expand_to_full_mesh_op_strategy`), so a combination of layouts runs without moving
+    data only if each mesh dim's part of it does alone. Probing those parts first on each
+    dim's 1-D mesh (a few milliseconds, cached across combinations) skips most full
+    probes, which cost ~45 ms each on a 2 x 2 mesh: 395 of a two-layer MLP's 457 found
+    nothing, and its compile took 19 s. Should some rule break that product form, the
+    solver loses a candidate, never gains a wrong one: each kept combination is still
+    probed whole.
+    """
+    if mesh.ndim < 2 or mesh.mesh_dim_names is None:
+        return []
+    return [(m, mesh[name]) for m, name in enumerate(mesh.mesh_dim_names) if mesh.shape[m] > 1]
+
+
+def _smallest_matmul_dim(inputs: list[Any], out: Any, layouts: tuple[Layout, ...], out_layout: Layout,
+                         mesh_shape: tuple[int, ...]) -> float | None:
+    """`smallest_matmul_dim` of this rank's pieces under these layouts. The backward's two
+    matmuls have the same three dimensions, so one figure serves the forward and backward."""
+    if not (inputs and layouts and getattr(inputs[0], "ndim", 0) >= 1 and getattr(out, "ndim", 0) >= 1):
+        return None
+    against_weight = len(inputs) > 1 and getattr(inputs[1], "ndim", 0) == 2
+    return smallest_matmul_dim(local_shape(inputs[0].shape, layouts[0], mesh_shape),
+                               local_shape(out.shape, out_layout, mesh_shape), against_weight)
+
+
+# ----------------------------------------------------------------------------- the program as ops
+
+
+# Bytes a stored parameter costs per byte of it: itself, its gradient, Adam's two moments.
+STORAGE_COPIES = 4
+
+
+def build_ops(gm: fx.GraphModule, mesh: DeviceMesh, model: CostModel, storage_of: Callable[[fx.Node], Layout | None],
+              free_storage: Callable[[fx.Node], bool] = lambda node: False) -> list[Op]:
+    """Every DTensor-valued node with its strategies, in graph order.
+
+    ``storage_of``: a parameter placeholder's fixed storage layout (else None).
+    ``free_storage``: placeholders whose storage the solver chooses (`hca.plan`).
+    """
+    value_of = lambda n: n.meta.get("example_value")
+    ops: dict[fx.Node, Op] = {}
+    sizes = tuple(mesh.shape)
+    for node in gm.graph.nodes:
+        value = value_of(node)
+        if isinstance(value, (tuple, list)) and any(isinstance(v, DTensor) for v in value):
+            raise UnsupportedError(f"layout solver: {node.name} returns several DTensors; not supported yet")
+        if node.op == "call_function" and node.target in FIXED_READS:
+            ops[node] = _fixed_reads(node, value_of, mesh)
+            continue
+        if not isinstance(value, DTensor):
+            continue
+        layout = tuple(value.placements)
+        slots = [a for a in node.all_input_nodes if isinstance(value_of(a), DTensor)]
+        requires_grad = bool(value.requires_grad)
+        fixed_one = lambda why, inputs=(): Op(node, slots, [Strategy(tuple(inputs), layout, (False,) * len(sizes), 0.0, 0.0)],
+                                             fixed=why, requires_grad=requires_grad, value=value)
+        if node.op == "placeholder" and free_storage(node):
+            ops[node] = _storage_choices(node, value, mesh)
+        elif node.op == "placeholder":
+            op = fixed_one(PARAMETER if storage_of(node) is not None else "graph input")
+            op.is_parameter = storage_of(node) is not None
+            ops[node] = op
+        elif not slots:
+            ops[node] = fixed_one("made from a local tensor")
+        elif node.op == "call_method" and node.target == "redistribute":
+            op = fixed_one("explicit redistribute in the program", (layout,))
+            op.slots, op.redistributes_itself = slots[:1], True
+            ops[node] = op
+        else:
+            ops[node] = _probe_op(gm, node, slots, value, mesh, model, storage_of, ops)
+    return list(ops.values())
+
+
+def _fixed_reads(node: fx.Node, value_of, mesh: DeviceMesh) -> Op:
+    """A sink or an op that moves its own inputs: one strategy, its reads fixed (the edges pay the moves)."""
+    slots = [a for a in node.all_input_nodes if isinstance(value_of(a), DTensor)]
+    layout = FIXED_READS[node.target](node, mesh)
+    value = value_of(node) if isinstance(value_of(node), DTensor) else value_of(slots[0])
+    strategy = Strategy(tuple(layout for _ in slots), layout, (False,) * mesh.ndim, 0.0, 0.0)
+    why = "the layout the caller receives" if node.target is dtensor_ops.to_output else "run replicated (no DTensor rule)"
+    return Op(node, slots, [strategy], fixed=why, requires_grad=bool(value.requires_grad), value=value)
+
+
+def _storage_choices(node: fx.Node, value: DTensor, mesh: DeviceMesh) -> Op:
+    """A parameter whose storage is free: one strategy per layout it can be stored in."""
+    strategies = []
+    for layout in candidate_layouts(value, mesh, None):
+        if any(isinstance(p, Partial) for p in layout):
+            continue
+        local = value_bytes(value) / math.prod(split_factor(p, n) for p, n in zip(layout, mesh.shape))
+        strategies.append(Strategy((), layout, (False,) * mesh.ndim, 0.0, STORAGE_COPIES * local))
+    return Op(node, [], strategies, requires_grad=bool(value.requires_grad), value=value, is_parameter=True)
+
+
+def _probe_op(gm, node, slots, value, mesh, model: CostModel, storage_of, ops: dict[fx.Node, Op]) -> Op:
+    value_of = lambda n: n.meta.get("example_value")
+    per_slot = [candidate_layouts(value_of(s), mesh, storage_of(s)) for s in slots]
+    name = op_name(node)
+    per_slot = [[c for c in cands if offered_read(name, i, c)] for i, cands in enumerate(per_slot)]
+    if math.prod(len(c) for c in per_slot) > MAX_COMBOS:
+        narrowed = []
+        for s, cands in zip(slots, per_slot):
+            if storage_of(s) is None:
+                written = {st.output for st in ops[s].strategies} if s in ops else set()
+                cands = [c for c in cands if c in written or all(isinstance(p, Replicate) for p in c)]
+            narrowed.append(cands)
+        per_slot = narrowed
+    strategies = []
+    inputs = [value_of(s) for s in slots]
+    combos = list(itertools.product(*per_slot))
+    submeshes = _submeshes(mesh)
+    each_dim_runs = [layouts for layouts in combos
+                     if all(probe(gm, node, slots, tuple((lay[m],) for lay in layouts), value_of, sub) is not None
+                            for m, sub in submeshes)]
+    for layouts in each_dim_runs or combos:  # none: probe every combination, as without the shortcut
+        out = probe(gm, node, slots, layouts, value_of)
+        if out is None:
+            continue
+        varying = tuple(not all(isinstance(l[m], Replicate) for l in (*layouts, out)) for m in range(mesh.ndim))
+        smallest = _smallest_matmul_dim(inputs, value, layouts, out, mesh.shape) if node.target in TORCH_MATMULS else None
+        compute = 0.0 if node.target in TORCH_VIEWS else 3.0 * model.compute_s(
+            *local_work(node.target, inputs, layouts, value, out, mesh.shape), smallest)
+        memory = 0.0 if node.target in TORCH_VIEWS else value_bytes(value) / math.prod(split_factor(p, n) for p, n in zip(out, mesh.shape))
+        strategies.append(Strategy(tuple(layouts), out, varying, compute, memory))
+    if not strategies:
+        raise UnsupportedError(
+            f"layout solver: DTensor runs {node.name} ({node.target}) in no layout of its inputs "
+            f"without redistributing on its own; source: {source_line(node)}"
+        )
+    return Op(node, slots, strategies, requires_grad=bool(value.requires_grad), value=value)
+
+
+def local_work(target: Any, inputs: list[Any], layouts: tuple[Layout, ...], out_value: Any, out: Layout,
+               mesh_shape: tuple[int, ...]) -> tuple[float, float]:
+    """(FLOPs, bytes touched) of one rank's forward, from its local pieces' shapes.
+
+    A rank does the work its pieces hold: a `Shard` read or result is its share, a `Partial` or
+    `Replicate` one is whole. So a replicated weight read as `Partial` beside a replicated input
+    (each rank holds the whole weight, halved) costs the whole matmul on every rank, while a
+    batch split costs each rank its rows.
+    """
+    local_in = [local_shape(v.shape, lay, mesh_shape) for v, lay in zip(inputs, layouts)]
+    local_out = local_shape(out_value.shape, out, mesh_shape)
+    flops = torch_flops(target, tuple(local_in[0]) if local_in else None, math.prod(local_out))
+    touched = sum(math.prod(s) * v.element_size() for s, v in zip(local_in, inputs))
+    return flops, touched + math.prod(local_out) * out_value.element_size()
+
+
+def source_line(node: fx.Node) -> str:
+    """The user's line that made `node` (the last code line of its stack trace)."""
+    lines = [l.strip() for l in (node.meta.get("stack_trace") or "").splitlines()]
+    code = [l for l in lines if l and not set(l) <= set("^~ ") and not l.startswith("File ")]
+    return code[-1] if code else "?"
+
+
