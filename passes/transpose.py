@@ -117,7 +117,8 @@ def _transposes(fw: fx.Node, origin: Origin, dim: int | None) -> set[Kind]:
 def _unpaired_rule(kind: Kind, origin: Origin, dim: int | None) -> str:
     steps = origin.transition(dim) if dim is not None and not origin.local_view else []
     if kind is Kind.ALL_REDUCE and any(src == "R" for src, _ in steps):
-        return f"cotangent reduction: the partial cotangent of a value replicated over {origin.dim_label(dim)}, summed, read by {origin.describe(dim)}"
+        return (f"cotangent reduction for {origin.describe(dim)}: the partial cotangents of a value it reads, "
+                f"replicated over {origin.dim_label(dim)}, summed")
     if kind is Kind.ALL_GATHER and any(src == "R" and dst.startswith("S") for src, dst in steps):
         return f"transpose of the local chunk (R -> S) in {origin.describe(dim)}: zero-embed, then sum, as one all_gather"
     return f"backward of {origin.describe(dim)}, as the move table allows"

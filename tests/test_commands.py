@@ -1,4 +1,4 @@
-"""The README's main command and the examples, run as a user would."""
+"""The README's commands, its Use snippet and the examples, run as a user would."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import subprocess
 import sys
 
 import pytest
+
+from doc_blocks import runnable_blocks, run_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -28,6 +30,15 @@ def test_demo():
     # replicated embedding needs none (every rank reads the whole batch).
     assert "collectives per step: forward {'all_reduce': 4}, backward {'all_reduce': 4}" in out
     assert "PASS: gradients match a single device" in out
+    # Read by people: no line wider than 120 characters, no table cell taller than 3 lines,
+    # and module paths as they are written (blocks.0.norm2), not Dynamo's sources.
+    wide = [line for line in out.splitlines() if len(line) > 120]
+    assert not wide, wide
+    table = out.split("== collectives in the compiled graphs ==")[1].split("== summary ==")[0].strip().splitlines()
+    rows = [i for i, line in enumerate(table) if not line.startswith(" ")] + [len(table)]
+    tallest = max(b - a for a, b in zip(rows, rows[1:]))
+    assert tallest <= 3, f"a row of {tallest} lines:\n" + "\n".join(table)
+    assert "(redistribute, blocks." in out and "_hca_logical" not in out and "L['self']" not in out
 
 
 @pytest.mark.parametrize("script,expect", [
@@ -51,3 +62,19 @@ def test_example_under_torchrun():
               "--master-addr", "127.0.0.1", "--master-port", str(_free_loopback_port()),
               "--local-addr", "127.0.0.1", "examples/tensor_parallel_mlp.py", timeout=120)
     assert "loss after 3 steps" in out
+
+
+USE = [b for b in runnable_blocks([ROOT / "README.md"]) if b.tag == "torchrun"]
+
+
+@pytest.mark.parametrize("block", USE, ids=[b.id for b in USE])
+def test_readme_use_snippet_with_python(block, tmp_path):
+    assert "all_reduce" in run_script(block, tmp_path, sys.executable)
+
+
+@pytest.mark.parametrize("block", USE, ids=[b.id for b in USE])
+def test_readme_use_snippet_under_torchrun(block, tmp_path):
+    out = run_script(block, tmp_path, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                     "--master-addr", "127.0.0.1", "--master-port", str(_free_loopback_port()),
+                     "--local-addr", "127.0.0.1", timeout=180)
+    assert "all_reduce" in out

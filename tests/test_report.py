@@ -130,3 +130,35 @@ def test_measured_sets_the_clock_beside_the_prediction(fake_pg):
     rep.graph.mesh = {**rep.graph.mesh, "device_type": "cuda"}  # a CUDA call returns before its kernels finish
     with pytest.raises(hca.HCAError, match="torch.profiler"):
         rep.measured()
+
+
+def test_module_paths_as_people_write_them():
+    from torch_hca.report.compile_report import module_path
+
+    assert module_path("getattr(L['self'].__dict__['_hca_logical'].inner.blocks, '0').attn.wq") == "blocks.0.attn.wq"
+    assert module_path("L['self'].__dict__['_hca_logical'].inner.norm") == "norm"
+    assert module_path("getattr(getattr(L['self'].layers, '0'), '1').fc") == "layers.0.1.fc"
+    assert module_path("L['self']._modules['fc1']") == "fc1"
+    assert module_path("L['self']") == "" and module_path("fc2.bias") == "fc2.bias"
+
+
+def test_rules_name_mesh_dimensions_where_the_mesh_has_names():
+    from torch_hca.passes.origins import Origin
+
+    named = Origin("redistribute", "redistribute", (("P", "S0"),), ("R", "S0"), "blocks.0", mesh_names=("tp", "dp"))
+    assert named.describe(0) == "redistribute (redistribute, blocks.0; mesh dim 'tp': P -> R)"
+    unnamed = Origin("redistribute", "redistribute", (("P",),), ("R",), "blocks.0")
+    assert unnamed.describe(0) == "redistribute (redistribute, blocks.0; mesh dim 0: P -> R)"
+
+
+def test_report_rule_cells_are_at_most_three_lines_and_json_keeps_them_whole(fake_pg):
+    rep = hca.report(compile_mlp())
+    rule = rep.graph.collectives[0].rule = "why " * 100
+    from torch_hca.report.compile_report import WIDTH
+
+    lines = rep.table(WIDTH).splitlines()
+    assert len(lines) == 4 and lines[-1].endswith("...") and all(len(line) <= WIDTH for line in lines)
+    assert rule in rep.to_json() and rule.strip() in rep.table()
+    # str(report): no line wider than WIDTH, Dynamo's sources nowhere.
+    text = str(rep)
+    assert not [line for line in text.splitlines() if len(line) > WIDTH] and "L['self']" not in text
