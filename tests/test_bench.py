@@ -351,3 +351,34 @@ def test_targets_are_read_overall_and_in_each_round():
     table = targets_table(records)
     assert table[0].startswith("== targets: 2 of 5 met in every round")
     assert any(line.startswith("dp: hca / ddp") and "0.80 0.95 0.85" in line for line in table)
+
+
+# `bench --real --tiny`: the real-size models' code paths at tiny sizes. The Inductor contestants
+# (single_inductor, ddp_inductor, expert_inductor, hca_inductor) are left out: each compile of an HF
+# model costs tens of seconds here, and they reuse the eager contestants' builders under torch.compile.
+REAL_TINY = ("single", "ddp", "fsdp2", "expert", "hca", "hca_megatron", "hca_plan")
+
+
+def test_real_tiny_runs_every_model_and_contestant(tmp_path):
+    from torch_hca.tools.bench_real import REAL_MODELS
+
+    out = tmp_path / "real.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch_hca", "bench", "--real", "--tiny", "--contestants", ",".join(REAL_TINY),
+         "--steps", "1", "--round-ms", "0", "--default-costs", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "TORCH_HCA_CACHE_DIR": str(tmp_path / "cache")},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = json.loads(out.read_text())
+    assert [(r["model_family"], r["contestant"]) for r in records] == [(m, c) for m in REAL_MODELS for c in REAL_TINY]
+    for r in records:
+        if r["model_family"] == "gpt2_small" and r["contestant"] == "expert":  # HF GPT-2's Conv1D: not nn.Linear
+            assert r["failed"].startswith("NotImplementedError"), r
+            continue
+        assert not r.get("failed"), r
+        assert r["max_grad_rel_err"] <= 1e-5 and r["step_time_s"] > 0 and r["peak_mem_bytes"] > 0, r
+        assert (r["collectives"] > 0) == (r["contestant"] != "single"), r
+    for m in REAL_MODELS:
+        assert f"\n{m}: " in "\n" + proc.stdout and f"== {m} (" in proc.stdout
+    assert "/ single_inductor" in proc.stdout and "expert failed: NotImplementedError" in proc.stdout
+    assert proc.stdout.count("hca_plan: hca.plan took") == len(REAL_MODELS)
