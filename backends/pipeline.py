@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
+import textwrap
 import time
 
 from typing import Any, Callable
@@ -37,6 +39,7 @@ from torch_hca.compiler.checks.spmd_check import check_same_collectives
 from torch_hca.compiler.checks.refinement import check_refinement
 from torch_hca.report.compile_report import CollectiveRecord, CompileReport, GraphReport, new_graph_report, next_graph_index
 from torch_hca.spmd.placements import layout_str
+from torch_hca.report.parallelism import sentence
 from torch_hca.passes.collective_rewrites import REWRITE, CollectiveRewritePass, agree_across_ranks, no_rank_rewrites
 from torch_hca.passes.infra import PassContext, dump, run_pass
 from torch_hca.passes.layout import LayoutPass
@@ -48,6 +51,19 @@ from torch_hca.passes.transpose import PARTNER, RULE, BackwardKeptPass, Transpos
 
 from .emit import decompositions, emit
 from .tune import Candidate, Tuned, candidate_options
+
+
+# TORCH_LOGS="torch_hca" (INFO): one sentence per compiled graph saying which parallelism runs.
+log = logging.getLogger(__name__)
+
+
+def _figures(report: GraphReport) -> str:
+    """Which cost-model figures chose the layout, and where they came from (when measured)."""
+    figures, source = report.layout.get("cost_model"), report.layout.get("cost_model_source")
+    if not figures:
+        return ""
+    return (f"; cost model: {source}: compute {figures['flops_per_s'] / 1e9:.3g} GFLOP/s, "
+            f"links {figures['bytes_per_s'] / 1e9:.3g} GB/s")
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Options) -> Callable:
@@ -63,6 +79,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
         report = new_graph_report(options)
         ctx, gm = lay_out(gm, example_inputs, report)
         agreement.draws = report.random_draws
+        if log.isEnabledFor(logging.INFO):
+            log.info("hca %s", textwrap.fill(sentence(report) + _figures(report), 120, subsequent_indent="    "))
         if options.inner == "dtensor":
             return _agreed(gm.forward, agreement)
         compiled = lower(gm, example_inputs, ctx)

@@ -68,6 +68,10 @@ def _value_meta(v: Any) -> dict[str, Any] | None:
     return None
 
 
+def _as_written_s(ops, costs, memory_weight: float) -> float:
+    return layout_solver.total_cost(ops, costs, layout_solver.as_written(ops, costs, memory_weight), memory_weight)
+
+
 class LayoutPass:
     name = "layout"
     reads = "Dynamo graph over DTensors"
@@ -116,6 +120,9 @@ class LayoutPass:
             "cost_model_source": source,
             "strategies": sum(len(op.strategies) for op in ops), "values": solution.explain,
             "probe_seconds": solution_start - start,
+            # The user's layouts kept (no move where DTensor's rules run an op): the alternative
+            # the one-sentence summary names, priced by the same model.
+            "as_written_s": _as_written_s(ops, layout_solver.Costs(mesh, model), o.memory_weight),
         }
         return self._emit(gm, ctx, ops, solution)
 

@@ -322,7 +322,7 @@ def _options() -> list[Case]:
         Case("options/check-an-int", parse({"check": 1}), O, r"options\['check'\] must be a bool, got 1", "none"),
         Case("options/input_check-all", parse({"input_check": "all"}), O,
              r"options\['input_check'\]='all'; use one of \('values', 'shapes', 'first'\)", "none"),
-        Case("options/layout-None", parse({"layout": None}), O, r"options\['layout'\]=None; use one of \('solve', 'dtensor', 'tune'\)", "none"),
+        Case("options/layout-None", parse({"layout": None}), O, r"options\['layout'\]=None; use one of \('solve', 'dtensor', 'tune', 'as_written'\)", "none"),
         Case("options/tune_rounds-zero", parse({"layout": "tune", "tune_rounds": 0}), O,
              r"options\['tune_rounds'\] must be an int >= 1, got 0", "none"),
         Case("options/tune_rounds-a-float", parse({"layout": "tune", "tune_rounds": 2.5}), O,

@@ -286,7 +286,7 @@ def test_submesh_smaller_than_world(fake_pg):
         ({"strict": "yes"}, r"options\['strict'\] must be a bool, got 'yes'"),
         ({"debug_dir": 5}, r"options\['debug_dir'\] must be a directory path, got 5"),
         ({"schedule": 1}, r"options\['schedule'\] must be a bool, got 1"),
-        ({"layout": "ilp"}, r"options\['layout'\]='ilp'; use one of \('solve', 'dtensor', 'tune'\)"),
+        ({"layout": "ilp"}, r"options\['layout'\]='ilp'; use one of \('solve', 'dtensor', 'tune', 'as_written'\)"),
         ({"memory_budget": -1}, r"options\['memory_budget'\] must be a number >= 0, got -1"),
         ({"cost_model": 3}, r"options\['cost_model'\] must be a dict of CostModel fields, got 3"),
         ("inductor", r"options must be a dict, got str 'inductor'; write options=\{'inner': 'inductor'\}"),

@@ -279,17 +279,16 @@ def forward(
     transpose_3 = y.transpose(1, 2)
     reshape = transpose_3.reshape(2, 6, 128)
     linear_3 = torch._C._nn.linear(reshape, l_self_modules_attn_modules_wo_parameters_weight_, None)
-    redistribute = torch_hca_compiler_dtensor_ops_redistribute(from_local, (Partial('sum'),))
-    x = redistribute + linear_3
-    redistribute_1 = torch_hca_compiler_dtensor_ops_redistribute(x, (Replicate(),))
-    layer_norm_1 = torch.nn.functional.layer_norm(redistribute_1, (128,), reduce_gradient_eagerly_2, reduce_gradient_eagerly_3, 1e-05)
+    redistribute = torch_hca_compiler_dtensor_ops_redistribute(linear_3, (Replicate(),))
+    x = from_local + redistribute
+    layer_norm_1 = torch.nn.functional.layer_norm(x, (128,), reduce_gradient_eagerly_2, reduce_gradient_eagerly_3, 1e-05)
     linear_4 = torch._C._nn.linear(layer_norm_1, l_self_modules_mlp_modules_fc1_parameters_weight_, l_self_modules_mlp_modules_fc1_parameters_bias_)
     gelu = torch._C._nn.gelu(linear_4)
-    redistribute_2 = torch_hca_compiler_dtensor_ops_redistribute(reduce_gradient_eagerly_4, (Partial('sum'),))
-    linear_5 = torch._C._nn.linear(gelu, l_self_modules_mlp_modules_fc2_parameters_weight_, redistribute_2)
-    out = x + linear_5
-    redistribute_3 = torch_hca_compiler_dtensor_ops_redistribute(out, (Replicate(),))
-    to_output = torch_hca_compiler_dtensor_ops_to_output(redistribute_3, (Replicate(),))
+    redistribute_1 = torch_hca_compiler_dtensor_ops_redistribute(reduce_gradient_eagerly_4, (Partial('sum'),))
+    linear_5 = torch._C._nn.linear(gelu, l_self_modules_mlp_modules_fc2_parameters_weight_, redistribute_1)
+    redistribute_2 = torch_hca_compiler_dtensor_ops_redistribute(linear_5, (Replicate(),))
+    out = x + redistribute_2
+    to_output = torch_hca_compiler_dtensor_ops_to_output(out, (Replicate(),))
     return (to_output,)""")
         self.assertEqual(r.collective_counts("forward"), {"all_reduce": 2})
         self.assertEqual(r.collective_counts("backward"), {"all_reduce": 2})

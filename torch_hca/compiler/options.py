@@ -35,8 +35,9 @@ class Options:
       on each through the rendezvous store while compiling, so every rank must
       compile the same graphs in the same order.
     layout: "solve" (default): the layout pass chooses every value's placement
-      by a global cost minimization (`torch_hca.compiler.layout.solver`); "dtensor": keep
-      DTensor's own per-op choices, only made explicit; "tune": the layouts the
+      by a global cost minimization (`torch_hca.compiler.layout.solver`); "as_written"
+      (also spelled "dtensor"): keep the parallelism as written, DTensor's own per-op
+      choices, only made explicit (data parallel storage keeps the batch split); "tune": the layouts the
       solver picks with communication priced as calibrated, 4x dearer and 4x
       cheaper, and DTensor's, each compiled, timed on the first call and the
       fastest kept (`torch_hca.backends.tune`).
@@ -115,8 +116,9 @@ class Options:
         if input_check not in INPUT_CHECKS:
             raise OptionsError(f"backend 'hca': options['input_check']={input_check!r}; use one of {INPUT_CHECKS}")
         layout = options.get("layout", "solve")
+        layout = "dtensor" if layout == "as_written" else layout  # the name users look for; "dtensor" says how
         if layout not in LAYOUT:
-            raise OptionsError(f"backend 'hca': options['layout']={layout!r}; use one of {LAYOUT}")
+            raise OptionsError(f"backend 'hca': options['layout']={layout!r}; use one of {LAYOUT + ('as_written',)}")
         tune_rounds = options.get("tune_rounds", 8)
         if isinstance(tune_rounds, bool) or not isinstance(tune_rounds, int) or tune_rounds < 1:
             raise OptionsError(f"backend 'hca': options['tune_rounds'] must be an int >= 1, got {tune_rounds!r}")

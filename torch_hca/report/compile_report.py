@@ -23,6 +23,7 @@ from torch_hca.errors import HCAError
 from torch_hca.spmd.cost_model import CostModel
 from torch_hca.spmd.placements import layout_str
 from torch_hca.spmd.placements import partial_dims
+from torch_hca.report.parallelism import sentence
 
 
 # ----------------------------------------------------------------------------- text for people
@@ -419,8 +420,14 @@ class CompileReport:
     def to_json(self) -> str:
         return json.dumps(self.strategy(), indent=2, sort_keys=True, default=str)
 
+    def parallelism(self) -> str:
+        """One sentence per graph: what was stored, what the program does, its predicted step,
+        and the user's layout as written priced by the same model (`torch_hca.report.parallelism`)."""
+        return "\n".join(sentence(g) for g in self.graphs)
+
     def __str__(self) -> str:
-        parts = []
+        parts = ["== parallelism ==\n" + "\n".join(
+            textwrap.fill(line, WIDTH, subsequent_indent="    ") for line in self.parallelism().splitlines())]
         for g in self.graphs:
             parts.append(f"== graph {g.index}: DTensor program ==\n{readable_code(g.dtensor_code)}")
         parts.append("== moves ==\n" + self.moves())

@@ -389,6 +389,18 @@ def greedy(ops: list[Op], costs: Costs, memory_weight: float) -> dict[fx.Node, S
     return choice
 
 
+def as_written(ops: list[Op], costs: Costs, memory_weight: float) -> dict[fx.Node, Strategy]:
+    """The program as the user wrote it: each op in graph order reads its inputs as their producers
+    wrote them wherever a strategy allows (what DTensor does on its own: no move where its rules
+    run the op), the cheapest of those; an op no strategy runs so takes its cheapest."""
+    choice: dict[fx.Node, Strategy] = {}
+    for op in ops:
+        kept = [s for s in op.strategies
+                if all(src not in choice or s.inputs[i] == choice[src].output for i, src in enumerate(op.slots))]
+        choice[op.node] = min(kept or op.strategies, key=lambda s: _own_cost(s, memory_weight))
+    return choice
+
+
 # ----------------------------------------------------------------------------- explanations
 
 
