@@ -256,6 +256,8 @@ def _run_model(spec: Spec, contestants: list, cfg: RunConfig, mesh, costs: dict,
         if cfg.rounds > 1:
             progress(f"{spec.name}: timed round {r + 1}/{cfg.rounds} ({len(timed_batches)} steps each)")
         for entry in list(live):
+            if cfg.rounds == 1:  # a rank that crashes here is named by the last line
+                progress(f"{spec.name}: {entry.rec['contestant']} timed ...")
             try:
                 entry.timed(timed_batches)
             except Exception as e:  # noqa: BLE001
