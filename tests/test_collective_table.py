@@ -53,7 +53,7 @@ def _params(draw, kind: Kind, n: int, shape: list[int]) -> tuple[list[int], dict
     ndim = len(shape)
     if kind is Kind.ALL_REDUCE:
         return shape, {}
-    if kind in (Kind.BROADCAST, Kind.REDUCE):
+    if kind in (Kind.BROADCAST, Kind.REDUCE, Kind.KEEP_ROOT):
         return shape, {"root": draw(st.integers(0, n - 1))}
     if kind is Kind.SCALED_ALL_REDUCE:
         return shape, {"scale": draw(st.one_of(st.none(), st.floats(-2.0, -0.01), st.floats(0.01, 2.0)))}
@@ -119,6 +119,7 @@ EXAMPLES = {  # one concrete call per kind, at world size 4
     Kind.ZERO_EMBED: ((2, 3), {"dim": 0}),
     Kind.GATHER: ((5, 3), {"dim": 0, "index": torch.tensor([1, 1, 4]), "length": 5}),
     Kind.INDEX_ADD: ((3, 2), {"dim": 0, "index": torch.tensor([0, 0, 2]), "length": 4}),
+    Kind.KEEP_ROOT: ((4, 3), {"root": 3}),
 }
 
 
@@ -165,6 +166,15 @@ def test_every_kind_has_one_rule_and_the_table_is_closed_under_transpose():
     }
 
 
+def test_what_is_left_of_a_sum_when_its_input_is_already_summed():
+    # hca.collectives' backward for dst R: the transpose's move R -> X instead of P -> X.
+    assert ck.already_summed(Kind.ALL_REDUCE) == ()
+    assert ck.already_summed(Kind.REDUCE_SCATTER) == (Kind.LOCAL_CHUNK,)
+    assert ck.already_summed(Kind.REDUCE) == (Kind.KEEP_ROOT,)
+    for kind in (Kind.ALL_GATHER, Kind.ALL_TO_ALL, Kind.BROADCAST, Kind.PERMUTE, Kind.SCALED_ALL_REDUCE):
+        assert ck.already_summed(kind) is None, kind
+
+
 def test_transpose_params():
     assert RULES[Kind.ALL_TO_ALL].transpose_params({"src_dim": 0, "dst_dim": 2}) == {"src_dim": 2, "dst_dim": 0}
     assert RULES[Kind.PERMUTE].transpose_params({"shift": 3}) == {"shift": -3}
@@ -185,7 +195,7 @@ def test_bytes_per_rank_ring_anchors():
     for kind in (Kind.ALL_GATHER, Kind.REDUCE_SCATTER, Kind.ALL_TO_ALL, Kind.BROADCAST, Kind.REDUCE):
         assert bytes_per_rank(kind, s, n) == (n - 1) / n * s, kind
     assert bytes_per_rank(Kind.PERMUTE, s, n) == s and bytes_per_rank(Kind.PERMUTE, s, 1) == 0
-    for kind in (Kind.LOCAL_CHUNK, Kind.ZERO_EMBED, Kind.GATHER, Kind.INDEX_ADD):
+    for kind in (Kind.LOCAL_CHUNK, Kind.ZERO_EMBED, Kind.GATHER, Kind.INDEX_ADD, Kind.KEEP_ROOT):
         assert bytes_per_rank(kind, s, n) == 0 and not RULES[kind].communicates
     for kind, rule in RULES.items():  # a transpose moves what its forward moves
         assert bytes_per_rank(kind, s, n) == bytes_per_rank(rule.transpose, s, n)

@@ -78,7 +78,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from torch_hca._torch_private import group_members, group_rank, group_size
-from torch_hca.spmd.collective_kinds import RULES, Kind
+from torch_hca.spmd.collective_kinds import RULES, Kind, already_summed
 from torch_hca.errors import CollectiveError, MeshError, RoleError
 from torch_hca.runtime.exchange import exchange, needs_exchange
 from torch_hca.runtime.mesh import current_mesh
@@ -178,21 +178,15 @@ def _mesh_dim(mesh: Any, mesh_dim: int | str | None) -> int | str:
 
 # ------------------------------------------------------ the autograd core
 
-# A step is (kind, params): a kind of the table, or "keep_root" (the local part of
-# `reduce` when the cotangent is already summed). A plan is a tuple of steps.
-_KEEP_ROOT = "keep_root"
+# A step is (kind, params), a kind of the table; a plan is a tuple of steps.
 
-
-def _step(kind: Kind | str, **params: Any) -> tuple:
+def _step(kind: Kind, **params: Any) -> tuple:
     return (kind, tuple(sorted(params.items())))
 
 
 def _run(plan: tuple, x: Tensor, where: _Where) -> Tensor:
     for kind, params in plan:
-        if kind == _KEEP_ROOT:
-            x = x if where.rank == dict(params)["root"] else torch.zeros_like(x)
-        else:
-            x = RULES[kind].emit(x, where.group_name, rank=where.rank, size=where.size, **dict(params))
+        x = RULES[kind].emit(x, where.group_name, rank=where.rank, size=where.size, **dict(params))
     return x
 
 
@@ -243,12 +237,12 @@ def unchecked():
 
 
 def _plan_text(plan: tuple) -> str:
-    steps = (f"{getattr(k, 'value', k)}({', '.join(f'{n}={v}' for n, v in params)})" for k, params in plan)
+    steps = (f"{k.value}({', '.join(f'{n}={v}' for n, v in params)})" for k, params in plan)
     return " then ".join(steps) or "nothing"
 
 
 def _communicates(plan: tuple) -> bool:
-    return any(kind in RULES and RULES[kind].communicates for kind, _ in plan)
+    return any(RULES[kind].communicates for kind, _ in plan)
 
 
 def _agree(where: _Where, direction: str, plan: tuple, x: Tensor, then: tuple = ()) -> None:
@@ -276,15 +270,6 @@ def _agree(where: _Where, direction: str, plan: tuple, x: Tensor, then: tuple = 
     )
 
 
-# What is left of a summing transpose when the cotangent it would sum is already
-# the whole gradient on every rank (dst R): the sum is done, only the local part stays.
-_SUMMED = {
-    Kind.ALL_REDUCE: lambda params: (),
-    Kind.REDUCE_SCATTER: lambda params: (_step(Kind.LOCAL_CHUNK, **params),),
-    Kind.REDUCE: lambda params: (_step(_KEEP_ROOT, **params),),
-}
-
-
 def _differentiable(x: Tensor, where: _Where, kind: Kind, dst: Role, **params: Any) -> Tensor:
     """Apply `kind`; backward is its transpose from the table, reduced to its local part for dst R."""
     if not isinstance(x, Tensor):
@@ -293,11 +278,11 @@ def _differentiable(x: Tensor, where: _Where, kind: Kind, dst: Role, **params: A
         )
     rule = RULES[kind]
     back_params = rule.transpose_params(params)
-    if dst.kind == "R" and rule.transpose in _SUMMED:
-        bwd = _SUMMED[rule.transpose](back_params)
-    else:
-        bwd = (_step(rule.transpose, **back_params),)
-    return _Collective.apply(x, where, (_step(kind, **params),), bwd)
+    # A cotangent that arrives as the whole gradient on every rank (dst R) is
+    # already summed: of a summing transpose only its local part is left.
+    local = already_summed(rule.transpose) if dst.kind == "R" else None
+    steps = (rule.transpose,) if local is None else local
+    return _Collective.apply(x, where, (_step(kind, **params),), tuple(_step(k, **back_params) for k in steps))
 
 
 # ------------------------------------------------------------ role checks

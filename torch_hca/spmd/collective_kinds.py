@@ -60,6 +60,7 @@ class Kind(enum.Enum):
     ZERO_EMBED = "zero_embed"
     GATHER = "gather"
     INDEX_ADD = "index_add"
+    KEEP_ROOT = "keep_root"
 
 
 def _same(params: dict) -> dict:
@@ -186,8 +187,7 @@ def _broadcast(x, group_name, rank, n, *, root=0):
 def _reduce(x, group_name, rank, n, *, root=0):
     """The sum over the group on `root`, zeros on the other ranks."""
     _rank_in(root, n, "root", "reduce")
-    total = _wait(c10d.all_reduce(x.contiguous(), "sum", group_name))
-    return total if rank == root else torch.zeros_like(total)
+    return _keep_root(_wait(c10d.all_reduce(x.contiguous(), "sum", group_name)), group_name, rank, n, root=root)
 
 
 # all_reduce: P -> R              transpose: all_reduce (physical; R -> P moves nothing
@@ -307,6 +307,36 @@ def _index_add(x, group_name, rank, n, *, index, length, dim=0):
     dim = _dim(x, dim, "index_add", ndim=x.dim() - index.dim() + 1)
     x = x.reshape(x.shape[:dim] + (index.numel(),) + x.shape[dim + index.dim():])
     return x.new_zeros(_resized(x, dim, length)).index_add(dim, index.reshape(-1), x)
+
+
+# keep root: R -> R(root)          transpose: keep root (a projection)   (no communication)
+# What is left of reduce when its input is already summed.
+@_kind(Kind.KEEP_ROOT, "R -> R(root)", Kind.KEEP_ROOT, _free)
+def _keep_root(x, group_name, rank, n, *, root=0):
+    """`x` itself on `root`, zeros on the other ranks."""
+    _rank_in(root, n, "root", "keep_root")
+    return x if rank == root else torch.zeros_like(x)
+
+
+def _ends(kind: Kind) -> tuple[str, str]:
+    src, dst = RULES[kind].placements.split(" -> ")
+    return src, dst
+
+
+def already_summed(kind: Kind) -> tuple[Kind, ...] | None:
+    """What is left of `kind`, a sum over the group (P -> X), when its input is already summed.
+
+    That is the move R -> X: nothing when X is R, else the local kind the table
+    registers for R -> X (reduce_scatter: local chunk; reduce: keep root).
+    None when `kind` does not sum, or the table has no local R -> X.
+    """
+    src, dst = _ends(kind)
+    if src != "P":
+        return None
+    if dst == "R":
+        return ()
+    local = tuple(k for k, r in RULES.items() if not r.communicates and _ends(k) == ("R", dst))
+    return local or None
 
 
 # ------------------------------------------------- ops read back from graphs
