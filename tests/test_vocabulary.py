@@ -49,7 +49,12 @@ def test_compute_is_charged_and_not_a_view():
 
 
 def test_the_traced_program_families():
-    assert torch_flops(torch.matmul, (8, 16), 8 * 8) == 2 * 8 * 8 * 16
-    assert torch_flops("view", (8, 16), 128) == 0.0
-    assert torch_flops(torch.relu, (8, 16), 128) == 128.0
+    assert torch_flops(torch.matmul, [(8, 16), (16, 8)], 8 * 8) == 2 * 8 * 8 * 16
+    # HF GPT-2's Conv1D: addmm(bias, x, w), as a function or the bias's method; the added term is first
+    assert torch_flops(torch.addmm, [(24,), (8, 16), (16, 24)], 8 * 24) == 2 * 8 * 24 * 16
+    assert torch_flops("addmm", [(24,), (8, 16), (16, 24)], 8 * 24) == 2 * 8 * 24 * 16
+    sdpa = torch.nn.functional.scaled_dot_product_attention  # q (2, 4, 6, 8) against 10 keys
+    assert torch_flops(sdpa, [(2, 4, 6, 8), (2, 4, 10, 8), (2, 4, 10, 8)], 2 * 4 * 6 * 8) == 4 * 2 * 4 * 6 * 8 * 10
+    assert torch_flops("view", [(8, 16)], 128) == 0.0
+    assert torch_flops(torch.relu, [(8, 16)], 128) == 128.0
     assert torch.nn.functional.linear in TORCH_MATMULS and "reshape" in TORCH_VIEWS

@@ -56,13 +56,24 @@ TORCH_VIEWS = frozenset({
     "view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "flatten", "t", "contiguous",
     torch.reshape, torch.transpose, torch.permute, torch.flatten, torch.unsqueeze, torch.squeeze,
 })
-TORCH_MATMULS = frozenset({F.linear, torch.matmul, torch.bmm, torch.mm, operator.matmul, "matmul", "bmm", "mm"})
+# The traced matmuls, and the position of their first matmul operand (addmm and baddbmm, as
+# `torch.addmm(bias, x, w)` or the method `bias.addmm(x, w)`, take the added term first): HF
+# GPT-2's Conv1D runs on addmm, so without it every block's matmul would count as elementwise.
+TORCH_MATMULS = {
+    F.linear: 0, torch.matmul: 0, torch.bmm: 0, torch.mm: 0, operator.matmul: 0, "matmul": 0, "bmm": 0, "mm": 0,
+    torch.addmm: 1, torch.baddbmm: 1, "addmm": 1, "baddbmm": 1,
+}
+TORCH_ATTENTIONS = frozenset({F.scaled_dot_product_attention})
 
 
-def torch_flops(target: Any, first_input_shape: tuple[int, ...] | None, out_numel: int) -> float:
-    """FLOPs of one traced op: 2·m·n·k for a matmul, nothing for a view, else one per output element."""
+def torch_flops(target: Any, input_shapes: list[tuple[int, ...]], out_numel: int) -> float:
+    """FLOPs of one traced op's forward: 2·m·n·k for a matmul, 4·(query rows)·(keys)·(head dim)
+    for attention, nothing for a view, else one per output element."""
     if target in TORCH_VIEWS:
         return 0.0
-    if target in TORCH_MATMULS and first_input_shape:
-        return 2.0 * out_numel * first_input_shape[-1]
+    first = TORCH_MATMULS.get(target)
+    if first is not None and len(input_shapes) > first and input_shapes[first]:
+        return 2.0 * out_numel * input_shapes[first][-1]
+    if target in TORCH_ATTENTIONS and len(input_shapes) > 1 and len(input_shapes[1]) >= 2:
+        return 4.0 * out_numel * input_shapes[1][-2]  # q·kᵀ and the weights times v
     return float(out_numel)

@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from torch_hca.compiler import dtensor_ops
+from torch_hca.compiler import attention, dtensor_ops
 from torch_hca._torch_private import quiet_cpu_alltoall_fallback, record_implicit_redistributions
 from torch_hca.spmd.cost_model import CostModel, smallest_matmul_dim
 from torch_hca.spmd.op_families import TORCH_MATMULS, TORCH_VIEWS, torch_flops
@@ -35,7 +36,7 @@ Layout = tuple[Placement, ...]
 PARAMETER = "parameter storage"
 
 # Beyond this many input-layout combinations for one op, activations only try
-# the layouts their producer can write, plus replicated.
+# the layouts their producer can write, their local chunks, and replicated.
 MAX_COMBOS = 256
 
 # Ops whose reads are fixed: a result's layout for the caller, or replicated for an op DTensor
@@ -235,14 +236,15 @@ def _submeshes(mesh: DeviceMesh) -> list[tuple[int, DeviceMesh]]:
     return [(m, mesh[name]) for m, name in enumerate(mesh.mesh_dim_names) if mesh.shape[m] > 1]
 
 
-def _smallest_matmul_dim(inputs: list[Any], out: Any, layouts: tuple[Layout, ...], out_layout: Layout,
+def _smallest_matmul_dim(first: int, inputs: list[Any], out: Any, layouts: tuple[Layout, ...], out_layout: Layout,
                          mesh_shape: tuple[int, ...]) -> float | None:
-    """`smallest_matmul_dim` of this rank's pieces under these layouts. The backward's two
-    matmuls have the same three dimensions, so one figure serves the forward and backward."""
-    if not (inputs and layouts and getattr(inputs[0], "ndim", 0) >= 1 and getattr(out, "ndim", 0) >= 1):
+    """`smallest_matmul_dim` of this rank's pieces under these layouts (`first`: the position of the
+    first matmul operand). The backward's two matmuls have the same three dimensions, so one
+    figure serves the forward and backward."""
+    if not (len(inputs) > first and getattr(inputs[first], "ndim", 0) >= 1 and getattr(out, "ndim", 0) >= 1):
         return None
-    against_weight = len(inputs) > 1 and getattr(inputs[1], "ndim", 0) == 2
-    return smallest_matmul_dim(local_shape(inputs[0].shape, layouts[0], mesh_shape),
+    against_weight = len(inputs) > first + 1 and getattr(inputs[first + 1], "ndim", 0) == 2
+    return smallest_matmul_dim(local_shape(inputs[first].shape, layouts[first], mesh_shape),
                                local_shape(out.shape, out_layout, mesh_shape), against_weight)
 
 
@@ -315,6 +317,12 @@ def _storage_choices(node: fx.Node, value: DTensor, mesh: DeviceMesh) -> Op:
     return Op(node, [], strategies, requires_grad=bool(value.requires_grad), value=value, is_parameter=True)
 
 
+def _chunk_of(written: Layout, read: Layout) -> bool:
+    """`read` is `written` itself or a local chunk of it (no communication): a mask made
+    replicated is read batch-split by attention that splits the batch."""
+    return all(w == r or isinstance(w, Replicate) and isinstance(r, Shard) for w, r in zip(written, read))
+
+
 def _probe_op(gm, node, slots, value, mesh, model: CostModel, storage_of, ops: dict[fx.Node, Op]) -> Op:
     value_of = lambda n: n.meta.get("example_value")
     per_slot = [candidate_layouts(value_of(s), mesh, storage_of(s)) for s in slots]
@@ -325,7 +333,7 @@ def _probe_op(gm, node, slots, value, mesh, model: CostModel, storage_of, ops: d
         for s, cands in zip(slots, per_slot):
             if storage_of(s) is None:
                 written = {st.output for st in ops[s].strategies} if s in ops else set()
-                cands = [c for c in cands if c in written or all(isinstance(p, Replicate) for p in c)]
+                cands = [c for c in cands if any(_chunk_of(w, c) for w in written) or all(isinstance(p, Replicate) for p in c)]
             narrowed.append(cands)
         per_slot = narrowed
     strategies = []
@@ -340,7 +348,8 @@ def _probe_op(gm, node, slots, value, mesh, model: CostModel, storage_of, ops: d
         if out is None:
             continue
         varying = tuple(not all(isinstance(l[m], Replicate) for l in (*layouts, out)) for m in range(mesh.ndim))
-        smallest = _smallest_matmul_dim(inputs, value, layouts, out, mesh.shape) if node.target in TORCH_MATMULS else None
+        first = TORCH_MATMULS.get(node.target)
+        smallest = None if first is None else _smallest_matmul_dim(first, inputs, value, layouts, out, mesh.shape)
         compute = 0.0 if node.target in TORCH_VIEWS else 3.0 * model.compute_s(
             *local_work(node.target, inputs, layouts, value, out, mesh.shape), smallest)
         memory = 0.0 if node.target in TORCH_VIEWS else value_bytes(value) / math.prod(split_factor(p, n) for p, n in zip(out, mesh.shape))
@@ -364,7 +373,9 @@ def local_work(target: Any, inputs: list[Any], layouts: tuple[Layout, ...], out_
     """
     local_in = [local_shape(v.shape, lay, mesh_shape) for v, lay in zip(inputs, layouts)]
     local_out = local_shape(out_value.shape, out, mesh_shape)
-    flops = torch_flops(target, tuple(local_in[0]) if local_in else None, math.prod(local_out))
+    # The lifted attention (`attention.sdpa`) is torch's scaled_dot_product_attention to the cost model.
+    target = F.scaled_dot_product_attention if target is attention.sdpa else target
+    flops = torch_flops(target, [tuple(s) for s in local_in], math.prod(local_out))
     touched = sum(math.prod(s) * v.element_size() for s, v in zip(local_in, inputs))
     return flops, touched + math.prod(local_out) * out_value.element_size()
 
