@@ -162,3 +162,11 @@ def test_report_rule_cells_are_at_most_three_lines_and_json_keeps_them_whole(fak
     # str(report): no line wider than WIDTH, Dynamo's sources nowhere.
     text = str(rep)
     assert not [line for line in text.splitlines() if len(line) > WIDTH] and "L['self']" not in text
+
+
+def test_moves_name_mesh_dims_as_the_mesh_does():
+    from torch_hca.report.compile_report import _mesh_dims_named
+
+    assert _mesh_dims_named("all_gather@0, all_reduce@1", ["dp", "tp"]) == "all_gather@dp, all_reduce@tp"
+    assert _mesh_dims_named("all_reduce@0", []) == "all_reduce@0"  # an unnamed mesh keeps its dim numbers
+    assert _mesh_dims_named("local", ["dp"]) == "local"

@@ -267,8 +267,9 @@ class CompileReport:
         """Every explicit move: value, layouts, what the solver costed next to what was emitted, and why."""
         rows = [("graph", "node", "value", "src -> dst", "costed", "emitted", "reason")]
         for position, g in enumerate(self.graphs):
-            rows += [(str(position), r.node, _dotted(r.value), f"{r.src} -> {r.dst}", r.costed or "-", r.emitted or "-",
-                      r.reason) for r in g.redistributions]
+            named = lambda kinds: _mesh_dims_named(kinds, (g.mesh or {}).get("names") or [])
+            rows += [(str(position), r.node, _dotted(r.value), f"{r.src} -> {r.dst}", named(r.costed) or "-",
+                      named(r.emitted) or "-", r.reason) for r in g.redistributions]
         return _aligned(rows, WIDTH) if len(rows) > 1 else "(no moves in the DTensor programs)"
 
     def partial_gradients(self) -> list[dict[str, Any]]:
@@ -420,6 +421,13 @@ class CompileReport:
     def to_json(self) -> str:
         return json.dumps(self.strategy(), indent=2, sort_keys=True, default=str)
 
+    def save_strategy(self, path) -> dict[str, Any]:
+        """Write the strategy file (docs/strategy.md) that ``options={"strategy": path}`` loads and
+        `hca.verify` checks; returns its content."""
+        from torch_hca.report.strategy_file import save
+
+        return save(self, path)
+
     def parallelism(self) -> str:
         """One sentence per graph: what was stored, what the program does, its predicted step,
         and the user's layout as written priced by the same model (`torch_hca.report.parallelism`)."""
@@ -479,6 +487,11 @@ def _aligned(rows: list[tuple[str, ...]], width: int | None) -> str:
         line = "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()
         lines += [line] if width is None or len(line) <= width else _wrap_last_column(r, widths, width)
     return "\n".join(lines)
+
+
+def _mesh_dims_named(kinds: str, names: list[str]) -> str:
+    """``"all_gather@0"`` -> ``"all_gather@dp"`` where the mesh names its dims."""
+    return re.sub(r"@(\d+)", lambda m: "@" + (names[int(m[1])] if int(m[1]) < len(names) else m[1]), kinds or "")
 
 
 def _dotted(name: str) -> str:
