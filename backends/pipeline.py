@@ -29,7 +29,8 @@ from torch.distributed.tensor import DTensor
 
 from torch_hca._torch_private import graph_arg_example, group_size, inductor_random_as_eager, no_donated_buffers
 from torch_hca.compiler.checks.agreement import InputAgreement
-from torch_hca.spmd.collective_kinds import OPS, RULES, node_group, node_payload
+from torch_hca.spmd.collective_kinds import RULES
+from torch_hca.spmd.collective_nodes import OPS, node_group, node_payload, payload_bytes
 from torch_hca.compiler.options import Options
 from torch_hca.compiler.parameters import parameter_name
 from torch_hca.errors import HCAError, UnsupportedError
@@ -38,7 +39,7 @@ from torch_hca.compiler.randomness import generators_kept, without_dead_draws
 from torch_hca.compiler.checks.spmd_check import check_same_collectives
 from torch_hca.compiler.checks.refinement import check_refinement
 from torch_hca.report.compile_report import CollectiveRecord, CompileReport, GraphReport, new_graph_report, next_graph_index
-from torch_hca.spmd.placements import layout_str
+from torch_hca.spmd.placements import dtype_str, layout_str
 from torch_hca.report.parallelism import sentence
 from torch_hca.passes.collective_rewrites import REWRITE, CollectiveRewritePass, agree_across_ranks, no_rank_rewrites
 from torch_hca.passes.infra import PassContext, dump, run_pass
@@ -318,7 +319,7 @@ def _describe_inputs(gm: fx.GraphModule, report: GraphReport) -> None:
         name = parameter_name(real)
         if name is not None:
             report.parameters[name] = {
-                "shape": list(real.shape), "dtype": str(real.dtype).replace("torch.", ""),
+                "shape": list(real.shape), "dtype": dtype_str(real.dtype),
                 "placements": layout_str(real.placements), "graph_input": node.name,
             }
 
@@ -331,7 +332,7 @@ def _record_collectives(report: GraphReport, gm: fx.GraphModule, direction: str)
         vals = node_payload(node)
         group = node_group(node)
         n = group_size(group)
-        payload = sum(v.numel() * v.element_size() for v in vals)
+        payload = payload_bytes(node)
         report.collectives.append(CollectiveRecord(
             kind=info.kind.value, group=group, group_size=n, bytes=payload,
             wire_bytes=RULES[info.kind].wire_bytes(payload, n), direction=direction,

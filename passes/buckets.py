@@ -53,7 +53,7 @@ import torch
 import torch.fx as fx
 
 from torch_hca._torch_private import fake_mode_of
-from torch_hca.spmd.collective_kinds import OPS, WAIT, node_payload
+from torch_hca.spmd.collective_nodes import OPS, WAIT, payload_bytes
 
 from torch_hca.spmd.events import late_nodes
 from .transpose import PARTNER, RULE
@@ -75,7 +75,7 @@ class Member:
     key: tuple
     ready: int   # position of the latest input in the traced graph
     need: int    # position of the first consumer of the result
-    nbytes: int  # payload bytes (collective_kinds.node_payload)
+    nbytes: int  # payload bytes (collective_nodes.payload_bytes)
     bit: int = 0       # this candidate's bit
     upstream: int = 0  # bits of the candidates whose results its input is computed from
 
@@ -135,7 +135,7 @@ def candidates(graph: fx.Graph, which: str) -> list[Member]:
         if coll.target is ALL_GATHER and not _from_graph_input(x):
             continue
         wait = next(iter(coll.users))
-        nbytes = sum(v.numel() * v.element_size() for v in node_payload(coll))
+        nbytes = payload_bytes(coll)
         found.append(Member(coll, wait, _key(coll, x.meta["val"]), pos[x], _first_need(wait, pos, late), nbytes))
     _mark_upstream(nodes, found)
     return found

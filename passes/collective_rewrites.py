@@ -42,7 +42,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map_only
 
 from torch_hca._torch_private import fake_mode_of, group_rank, group_size
-from torch_hca.spmd.collective_kinds import OPS, WAIT
+from torch_hca.spmd.collective_nodes import OPS, WAIT
 from torch_hca.errors import CheckError
 from torch_hca.runtime.exchange import exchange, needs_exchange
 

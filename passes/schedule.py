@@ -55,7 +55,7 @@ from typing import Any
 import torch.fx as fx
 
 from torch_hca._torch_private import copy_graph_module, group_size
-from torch_hca.spmd.collective_kinds import OPS, WAIT, node_group, node_payload
+from torch_hca.spmd.collective_nodes import OPS, WAIT, node_group, payload_bytes
 from torch_hca.errors import CheckError
 from torch_hca.compiler.checks.schedule_check import ScheduleSummary, check_reorder
 
@@ -140,11 +140,6 @@ def _effect_deps(nodes: list[fx.Node], waits_of: dict[fx.Node, list[fx.Node]]) -
     return extra
 
 
-def _payload_bytes(start: fx.Node) -> int:
-    vals = node_payload(start)
-    return sum(v.numel() * v.element_size() for v in vals if hasattr(v, "numel"))
-
-
 # ---------------------------------------------------------- the reordering
 
 class _Scheduler:
@@ -165,7 +160,7 @@ class _Scheduler:
             if group in last_of_group and last_of_group[group] not in self.deps[s]:
                 self.deps[s].append(last_of_group[group])
             last_of_group[group] = s
-        self.nbytes = {s: _payload_bytes(s) for s in starts}
+        self.nbytes = {s: payload_bytes(s) for s in starts}
         self.missing = {s: len(self.deps[s]) for s in starts}
         self.dependents: dict[fx.Node, list[fx.Node]] = {}
         for s in starts:

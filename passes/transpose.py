@@ -29,7 +29,8 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
 from torch_hca._torch_private import origin_of
-from torch_hca.spmd.collective_kinds import OPS, RULES, WAIT, Kind, node_group, node_kind, node_payload
+from torch_hca.spmd.collective_kinds import RULES, Kind
+from torch_hca.spmd.collective_nodes import OPS, WAIT, node_group, node_kind, node_payload
 from torch_hca.errors import CheckError
 
 from .collective_rewrites import REWRITE

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import torch_hca as hca
 from torch_hca.tools import zoo
-from torch_hca.spmd.collective_kinds import CollectiveCounter
+from torch_hca.spmd.collective_nodes import CollectiveCounter
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from torch_hca._torch_private import fake_mode_of
-from torch_hca.spmd.collective_kinds import OPS
+from torch_hca.spmd.collective_nodes import OPS
 from torch_hca.passes.collective_rewrites import agree_across_ranks, rewrite_collectives
 from torch_hca.compiler.checks.schedule_check import check_order
 

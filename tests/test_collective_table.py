@@ -22,7 +22,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import collective_cases
 from torch_hca.spmd import collective_kinds as ck
-from torch_hca.spmd.collective_kinds import OPS, RULES, WAIT, Kind, bytes_per_rank
+from torch_hca.spmd import collective_nodes as cn
+from torch_hca.spmd.collective_kinds import RULES, Kind, bytes_per_rank
+from torch_hca.spmd.collective_nodes import OPS, WAIT
 from torch_hca.errors import CheckError, CollectiveError
 
 WORLD_SIZES = (2, 4)
@@ -185,7 +187,7 @@ def test_a_duplicate_registration_raises():
     with pytest.raises(CheckError, match="all_reduce registered twice"):
         ck._kind(Kind.ALL_REDUCE, "P -> R", Kind.ALL_REDUCE, ck._ring_twice)(lambda x, g, r, n: x)
     with pytest.raises(CheckError, match="registered twice"):
-        ck._register(torch.ops._c10d_functional.all_reduce.default, ck.OpInfo(Kind.ALL_REDUCE, "input", 2))
+        cn._register(torch.ops._c10d_functional.all_reduce.default, cn.OpInfo(Kind.ALL_REDUCE, "input", 2))
 
 
 def test_bytes_per_rank_ring_anchors():

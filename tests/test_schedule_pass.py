@@ -21,7 +21,7 @@ from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import dist_cases
-from torch_hca.spmd.collective_kinds import OPS, WAIT, node_payload
+from torch_hca.spmd.collective_nodes import OPS, WAIT, node_payload
 from torch_hca.compiler.options import Options
 from torch_hca.passes.infra import PassContext, run_pass
 from torch_hca.passes.schedule import SchedulePass

@@ -24,7 +24,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import torch_hca as hca
 from torch_hca._torch_private import set_origin
-from torch_hca.spmd.collective_kinds import OPS, WAIT, Kind, node_group, node_kind
+from torch_hca.spmd.collective_kinds import Kind
+from torch_hca.spmd.collective_nodes import OPS, WAIT, node_group, node_kind
 from torch_hca.compiler.options import Options
 from torch_hca.passes import collective_rewrites
 from torch_hca.passes.infra import PassContext

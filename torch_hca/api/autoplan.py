@@ -25,6 +25,7 @@ from torch_hca.compiler.layout import candidates as layout_candidates
 from torch_hca.compiler.layout import solver as layout_solver
 from torch_hca._torch_private import fake_dtensor_work, graph_arg_example
 from torch_hca.errors import HCAError, PlanError
+from torch_hca.spmd.placements import dtype_str
 from torch_hca.compiler.lifting import lift
 from torch_hca.compiler.options import Options
 from torch_hca.api.plan import sharded
@@ -102,7 +103,7 @@ def _dynamo_graph(module: nn.Module, args: tuple) -> tuple[torch.fx.GraphModule,
     except HCAError:
         raise
     except Exception as e:  # the model itself fails on these inputs, as it would on one device
-        shapes = ", ".join(f"{tuple(a.shape)} {str(a.dtype).replace('torch.', '')}" if isinstance(a, torch.Tensor)
+        shapes = ", ".join(f"{tuple(a.shape)} {dtype_str(a.dtype)}" if isinstance(a, torch.Tensor)
                            else type(a).__name__ for a in args)
         raise PlanError(
             f"hca.plan: {type(module).__name__}.forward fails on example_inputs ({shapes}, each this rank's "

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from torch_hca.errors import HCAError
+from torch_hca.spmd.placements import dtype_str
 from torch_hca.runtime.exchange import exchange, needs_exchange
 
 LATEST = "LATEST"
@@ -239,7 +240,7 @@ def _describe(model: nn.Module) -> dict[str, dict]:
         if isinstance(p, DTensor):
             mesh = p.device_mesh
             layout = {"placements": [str(q) for q in p.placements], "mesh": list(mesh.shape)}
-        out[name] = {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""), "layout": layout}
+        out[name] = {"shape": list(p.shape), "dtype": dtype_str(p.dtype), "layout": layout}
     return out
 
 

@@ -79,6 +79,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from torch_hca._torch_private import group_members, group_rank, group_size
 from torch_hca.spmd.collective_kinds import RULES, Kind, already_summed
+from torch_hca.spmd.placements import dtype_str
 from torch_hca.errors import CollectiveError, MeshError, RoleError
 from torch_hca.runtime.exchange import exchange, needs_exchange
 from torch_hca.runtime.mesh import current_mesh
@@ -249,7 +250,7 @@ def _agree(where: _Where, direction: str, plan: tuple, x: Tensor, then: tuple = 
     """Every rank of the group is about to run `plan` on a tensor of x's shape and dtype, or raise."""
     if torch.compiler.is_compiling() or _unchecked_depth or not _communicates(plan) or not needs_exchange():
         return
-    call = f"{direction} {_plan_text(plan)} on {str(x.dtype).removeprefix('torch.')}{list(x.shape)}"
+    call = f"{direction} {_plan_text(plan)} on {dtype_str(x.dtype)}{list(x.shape)}"
     if direction == "forward":
         call += f", backward {_plan_text(then)}"  # the roles: dst R and I differ only here
     members = group_members(where.group_name)

@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from torch_hca.errors import HCAError
+from torch_hca.spmd.collective_nodes import nbytes
 from torch_hca.spmd.placements import partial_dims
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # as DistributedDataParallel's default
@@ -39,7 +40,7 @@ def _buckets(named: list[tuple[str, nn.Parameter]], bucket_bytes: int) -> list[t
         if not dims:
             continue
         key = (dims[0], p.grad.dtype, id(p.grad.device_mesh))
-        size = p.grad._local_tensor.numel() * p.grad.element_size()
+        size = nbytes(p.grad._local_tensor)
         current = open_by_key.get(key)
         if current is None or (current[0].bytes and current[0].bytes + size > bucket_bytes):
             current = (Bucket(dims[0], p.grad.dtype), [])

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.utils._pytree import tree_map
 
 from torch_hca.errors import MeshError, PlanError
+from torch_hca.spmd.placements import dtype_str
 from torch_hca.runtime.exchange import exchange, first_difference, needs_exchange
 from torch_hca.compiler.logical import Holder, ScaleGrad, call_logically, check_input_layout, mesh_id
 from torch_hca.compiler.parameters import register_sharded
@@ -158,7 +159,7 @@ def _plan_lines(module: nn.Module, spec: ShardingSpec) -> list[str]:
     lines = [f"mesh {tuple(spec.mesh.shape)} {spec.mesh.mesh_dim_names}",
              f"inputs {spec.inputs}", f"outputs {spec.outputs} grad_scale {spec.grad_scale}"]
     for name, p in module.named_parameters():
-        lines.append(f"parameter {name!r} {tuple(p.shape)} {str(p.dtype).replace('torch.', '')} "
+        lines.append(f"parameter {name!r} {tuple(p.shape)} {dtype_str(p.dtype)} "
                      f"{spec.params[name]} {spec.grad_roles[name]}")
     return lines
 

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.utils._pytree import tree_map
 
 from torch_hca.errors import PlacementError
+from torch_hca.spmd.placements import letter
 
 Layout = tuple[Placement, ...]
 
@@ -49,7 +50,7 @@ def mesh_of(index: int) -> DeviceMesh:
 
 def encode(layout: Layout) -> str:
     """``(Shard(0), Replicate())`` -> ``"S0,R"``: a layout as a custom op argument."""
-    return ",".join(f"S{p.dim}" if isinstance(p, Shard) else "P" if isinstance(p, Partial) else "R" for p in layout)
+    return ",".join(letter(p) for p in layout)
 
 
 def decode(text: str) -> Layout:

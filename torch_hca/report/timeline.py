@@ -53,7 +53,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
 from torch_hca import _torch_private
-from torch_hca.spmd.collective_kinds import OPS, WAIT, node_group, node_payload
+from torch_hca.spmd.collective_nodes import OPS, WAIT, nbytes, node_group, payload_bytes
 from torch_hca.spmd.cost_model import CostModel, smallest_matmul_dim
 from torch_hca.spmd.op_families import ATEN_MATMULS, aten_flops, is_view_op
 from torch_hca.errors import HCAError
@@ -154,10 +154,6 @@ def _tensors(value) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def _nbytes(t) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-
 def op_seconds(node: fx.Node, costs: CostModel) -> float:
     """Compute-lane seconds of one non-collective node (0 for free or unknown ones)."""
     op = node.target
@@ -165,7 +161,7 @@ def op_seconds(node: fx.Node, costs: CostModel) -> float:
     if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or is_view_op(op) or not _tensors(out):
         return 0.0
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-    touched = sum(_nbytes(t) for t in _tensors((args, kwargs))) + sum(_nbytes(t) for t in _tensors(out))
+    touched = sum(nbytes(t) for t in _tensors((args, kwargs))) + sum(nbytes(t) for t in _tensors(out))
     return costs.compute_s(aten_flops(op, args, kwargs, out), float(touched), _smallest_matmul_dim(op, args, out))
 
 
@@ -247,7 +243,7 @@ class _Player:
         info, group = OPS[node.target], node_group(node)
         if group not in self.sizes:
             self.sizes[group] = self.group_size(group)
-        payload = sum(_nbytes(t) for t in node_payload(node))
+        payload = payload_bytes(node)
         seconds = self.costs.collective_s(info.kind, payload, self.sizes[group])
         lane = f"comm:{group}"
         start = max(self.now, self.lane_free.get(lane, 0.0))

@@ -2,8 +2,10 @@
 
 * `placements`: how a placement and a layout are written, one way (R, P(sum), S(d); R, P, S<d> in the move table).
 * `collective_kinds`: the table of collective kinds: placements, transposes,
-  emitters, wire bytes, the move table (what a move on one mesh dimension
-  issues forward and may issue backward) and the reader of collective nodes.
+  emitters, wire bytes, and the move table (what a move on one mesh dimension
+  issues forward and may issue backward).
+* `collective_nodes`: the reader of collective nodes (by op schema): kind,
+  group, payload and its bytes; the dispatcher-side counter.
 * `cost_model`: seconds per collective and per FLOP, calibrated per machine.
 
 Only `torch_hca.errors` and `torch_hca._torch_private` sit below it

@@ -16,7 +16,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from torch_hca.spmd.collective_kinds import OPS, WAIT
+from torch_hca.spmd.collective_nodes import OPS, WAIT
 from torch_hca.spmd.op_families import is_view_op
 
 

@@ -1,4 +1,4 @@
-"""How a placement and a layout are written: one printer for the report, the solver and errors."""
+"""How a placement, a layout and a dtype are written: one printer for the report, the solver and errors."""
 
 from __future__ import annotations
 
@@ -20,6 +20,11 @@ def layout_str(layout) -> str:
     if layout is None:
         return "-"
     return "(" + ", ".join(placement_str(p) for p in layout) + ")"
+
+
+def dtype_str(dtype) -> str:
+    """A dtype as text: ``float32`` (no ``torch.`` prefix)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def letter(p) -> str:

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch_hca._torch_private import (graph_arg_example, graph_arg_is_python_scalar, graph_arg_is_tensor_property,
                              graph_arg_source)
 from torch_hca.errors import CheckError
+from torch_hca.spmd.placements import dtype_str
 from torch_hca.runtime.exchange import needs_exchange, post
 from torch_hca.compiler.randomness import generator_digest
 from torch_hca.compiler.logical import ENTER, decode, mesh_of
@@ -143,7 +144,7 @@ def _weights(n: int, device: torch.device) -> torch.Tensor:
 def _describe_value(v: Any, digest: bool) -> tuple[str, str]:
     """(shape and dtype, digest of the value) of one graph argument."""
     if isinstance(v, torch.Tensor):
-        return f"{list(v.shape)} {str(v.dtype).replace('torch.', '')}", _value_digest(v) if digest else "-"
+        return f"{list(v.shape)} {dtype_str(v.dtype)}", _value_digest(v) if digest else "-"
     return type(v).__name__, repr(v) if digest else "-"
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from torch_hca.spmd.collective_kinds import OPS, WAIT, node_group
+from torch_hca.spmd.collective_nodes import OPS, WAIT, node_group
 from torch_hca.errors import CheckError
 
 
