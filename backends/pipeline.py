@@ -1,8 +1,7 @@
-"""The backend pipeline for one Dynamo graph.
+"""The backend pipeline for one Dynamo graph, its stages in the order of `STAGES`.
 
     Dynamo graph (the logical program, torch_hca.compiler.logical) --lift--> replicated DTensor program
-      --layout--> DTensor program
-      --origins--> every node tagged
+      --layout--> DTensor program --roles--> --origins--> every node tagged
       --AOTAutograd--> joint graph --transpose--> --collective rewrites--> --backward kept--> partition
       --> forward, backward
       --schedule--> checked order --emit--> FX (eager) or Inductor
@@ -52,6 +51,31 @@ from torch_hca.passes.transpose import PARTNER, RULE, BackwardKeptPass, Transpos
 
 from .emit import decompositions, emit
 from .tune import Candidate, Tuned, candidate_options
+
+
+# One Dynamo graph's stages, in the order they run: (name, its pass; None: a step of torch's).
+# The passes up to AOTAutograd run on the DTensor program (`lay_out`), those between AOTAutograd
+# and the partition on the joint graph (the partition hook), the schedule on each of forward and
+# backward. docs/concepts.md, section 3, numbers the same stages in this order (tests/test_docs.py).
+STAGES: tuple[tuple[str, type | None], ...] = (
+    ("lift", LiftPass),
+    ("layout", LayoutPass),
+    ("roles", CotangentRolePass),
+    ("origins", OriginPass),
+    ("AOTAutograd", None),
+    ("transpose", TransposePass),
+    ("collective rewrites", CollectiveRewritePass),
+    ("backward kept", BackwardKeptPass),
+    ("partition", None),
+    ("schedule", SchedulePass),
+    ("emit", None),
+)
+
+
+def _passes(first: str, last: str) -> tuple[type, ...]:
+    """The passes of the stages from `first` to `last`, both included, in order."""
+    names = [name for name, _ in STAGES]
+    return tuple(p for _, p in STAGES[names.index(first):names.index(last) + 1] if p is not None)
 
 
 # TORCH_LOGS="torch_hca" (INFO): one sentence per compiled graph saying which parallelism runs.
@@ -139,10 +163,8 @@ def lay_out(gm: fx.GraphModule, example_inputs: list[Any], report: GraphReport) 
     report.dynamo_graph = gm
     dump(ctx, "dynamo", gm.code)
     with generators_kept(_device_type(gm)):  # probing a dropout draws nothing the step would
-        gm = run_pass(LiftPass(), gm, ctx)
-        gm = run_pass(LayoutPass(), gm, ctx)
-    gm = run_pass(CotangentRolePass(), gm, ctx)
-    gm = run_pass(OriginPass(), gm, ctx)
+        for p in _passes("lift", "origins"):
+            gm = run_pass(p(), gm, ctx)
     report.dtensor_program = gm
     return ctx, gm
 
@@ -154,10 +176,11 @@ def lower(gm: fx.GraphModule, example_inputs: list[Any], ctx: PassContext) -> Ca
 
     def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
         # The backward is checked as traced, then every later change must be an identity.
-        joint = run_pass(TransposePass(), joint, ctx)
         agree = agree_across_ranks if options.rank_rewrites else no_rank_rewrites
-        joint = run_pass(CollectiveRewritePass(agree), joint, ctx)
-        report.joint = run_pass(BackwardKeptPass(), joint, ctx)
+        made = {CollectiveRewritePass: lambda: CollectiveRewritePass(agree)}
+        for p in _passes("transpose", "backward kept"):
+            joint = run_pass(made.get(p, p)(), joint, ctx)
+        report.joint = joint
         forward, backward = default_partition(report.joint, joint_inputs, **kwargs)
         return forward, without_dead_draws(backward, f"graph {report.index}")
 

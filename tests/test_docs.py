@@ -6,7 +6,8 @@
   with ``python`` and under ``torchrun``.
 * Claims a test can check are checked: every error class the docs list exists, is exported
   by torch_hca and is an ``hca.HCAError``; the error module defines each one the API page
-  says it does.
+  says it does; docs/concepts.md numbers the pipeline's stages in the order the pipeline's
+  table (`backends/pipeline.py:STAGES`) runs them.
 """
 
 from __future__ import annotations
@@ -68,3 +69,15 @@ def test_the_api_page_names_the_known_gap_in_its_error_promise():
     """docs/api.md promises every error is an HCAError, with one named exception (being fixed)."""
     api = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
     assert "IndexError" in api.split("## Meshes")[0]
+
+
+def test_the_concepts_page_lists_the_pipeline_stages_in_the_order_they_run():
+    from torch_hca.backends.pipeline import STAGES
+
+    text = (ROOT / "docs" / "concepts.md").read_text()
+    section = text.split("## 3. The pipeline", 1)[1].split("\n## ", 1)[0]
+    steps = re.findall(r"^(\d+)\. \*\*([^*]+)\*\*", section, re.M)
+    # The run_pass list above them (1. dumps, 2. lints, 3. appends) has no bold names: only stages match.
+    named = [(int(n), name.lower().removesuffix(" pass")) for n, name in steps]
+    assert named == [(i + 1, name.lower()) for i, (name, _) in enumerate(STAGES)]
+
