@@ -68,21 +68,16 @@ calls are not checked; `unchecked()` turns the check off for a block.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from torch_hca._torch_private import group_members, group_rank, group_size
+from torch_hca.api.collective_groups import Where, agree, unchecked, where_of
+from torch_hca.errors import CollectiveError, RoleError
 from torch_hca.spmd.collective_kinds import RULES, Kind, already_summed
-from torch_hca.spmd.placements import dtype_str
-from torch_hca.errors import CollectiveError, MeshError, RoleError
-from torch_hca.runtime.exchange import exchange, needs_exchange
-from torch_hca.runtime.mesh import current_mesh
 
 Tensor = torch.Tensor
 
@@ -123,60 +118,6 @@ def role(spec: Any) -> Role:
     return Role(match[1]) if match[1] else Role("S", int(match[2]))
 
 
-# ----------------------------------------------------------------- groups
-
-@dataclass(frozen=True)
-class _Where:
-    group_name: str
-    rank: int
-    size: int
-
-
-def _where(group: Any, mesh_dim: int | str | None) -> _Where:
-    """The group to communicate over: a ProcessGroup, a group name, a DeviceMesh
-    dimension (``group=mesh, mesh_dim=...``, or the current mesh), or the world."""
-    if isinstance(group, str):
-        try:
-            return _Where(group, group_rank(group), group_size(group))
-        except Exception:
-            raise MeshError(
-                f"hca.collectives: group={group!r} names no process group of this process; pass a ProcessGroup, "
-                "a DeviceMesh with mesh_dim=, or the group_name of one"
-            ) from None
-    if not dist.is_initialized():
-        raise MeshError(
-            "hca.collectives: no process group is initialized; run under torchrun or "
-            "hca.launch, and call hca.init_mesh() first"
-        )
-    if group is None and mesh_dim is not None:
-        group = current_mesh()
-        if group is None:
-            raise MeshError(f"hca.collectives: mesh_dim={mesh_dim!r} given but no mesh; call hca.init_mesh(...) first")
-    if hasattr(group, "get_group"):  # a DeviceMesh
-        group = group.get_group(_mesh_dim(group, mesh_dim))
-    group = dist.group.WORLD if group is None else group
-    if not isinstance(group, dist.ProcessGroup):
-        raise MeshError(
-            f"hca.collectives: group={group!r} is not a group; pass a ProcessGroup, a DeviceMesh (with mesh_dim=), "
-            "a group name, or nothing for the world"
-        )
-    return _Where(group.group_name, dist.get_rank(group), dist.get_world_size(group))
-
-
-def _mesh_dim(mesh: Any, mesh_dim: int | str | None) -> int | str:
-    names = tuple(mesh.mesh_dim_names or ())
-    if mesh_dim is None:
-        return 0
-    if isinstance(mesh_dim, str) and mesh_dim in names:
-        return mesh_dim
-    if isinstance(mesh_dim, int) and not isinstance(mesh_dim, bool) and 0 <= mesh_dim < mesh.ndim:
-        return mesh_dim
-    raise MeshError(
-        f"hca.collectives: mesh_dim={mesh_dim!r} is not a dimension of the {mesh.ndim}-D mesh "
-        f"{tuple(mesh.shape)}; use 0..{mesh.ndim - 1}" + (f" or one of the names {names}" if names else "")
-    )
-
-
 # ------------------------------------------------------ the autograd core
 
 # A step is (kind, params), a kind of the table; a plan is a tuple of steps.
@@ -185,7 +126,7 @@ def _step(kind: Kind, **params: Any) -> tuple:
     return (kind, tuple(sorted(params.items())))
 
 
-def _run(plan: tuple, x: Tensor, where: _Where) -> Tensor:
+def _run(plan: tuple, x: Tensor, where: Where) -> Tensor:
     for kind, params in plan:
         x = RULES[kind].emit(x, where.group_name, rank=where.rank, size=where.size, **dict(params))
     return x
@@ -195,83 +136,18 @@ class _Collective(torch.autograd.Function):
     """Forward: run the plan `fwd`; backward: run the plan `bwd` on the gradient."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, where: _Where, fwd: tuple, bwd: tuple) -> Tensor:
+    def forward(ctx, x: Tensor, where: Where, fwd: tuple, bwd: tuple) -> Tensor:
         ctx.where, ctx.bwd = where, bwd
-        _agree(where, "forward", fwd, x, then=bwd)
+        agree(where, "forward", fwd, x, then=bwd)
         return _run(fwd, x, where)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        _agree(ctx.where, "backward", ctx.bwd, grad)
+        agree(ctx.where, "backward", ctx.bwd, grad)
         return _run(ctx.bwd, grad, ctx.where), None, None, None
 
 
-# ------------------------------------------------------ cross-rank agreement
-
-# gloo aborts the process (SIGABRT) when the ranks of a group disagree on a
-# collective's size or dtype, and waits for a rank that never calls. So before
-# gloo sees a call, the group's ranks post what they are about to do through the
-# store and compare: a mismatch is a CollectiveError naming the ranks, a rank
-# that never comes a CheckError naming it after `torch_hca.runtime.mesh.timeout_s()`.
-# Only eagerly: under torch.compile the graph was traced from a checked program.
-# Per call, not per distinct call: a rank-dependent shape alternates between
-# shapes every rank has already shown (an uneven last batch), so a cache of
-# checked signatures would let the abort through.
-
-_unchecked_depth = 0
-
-
-@contextlib.contextmanager
-def unchecked():
-    """Skip the cross-rank check of each call inside this block.
-
-    The check costs one store exchange per eager call (about 1 ms on 2 gloo
-    ranks, docs/reliability.md). Use this only around calls known to agree on
-    every rank: a disagreement then aborts the process in gloo, or hangs.
-    """
-    global _unchecked_depth
-    _unchecked_depth += 1
-    try:
-        yield
-    finally:
-        _unchecked_depth -= 1
-
-
-def _plan_text(plan: tuple) -> str:
-    steps = (f"{k.value}({', '.join(f'{n}={v}' for n, v in params)})" for k, params in plan)
-    return " then ".join(steps) or "nothing"
-
-
-def _communicates(plan: tuple) -> bool:
-    return any(RULES[kind].communicates for kind, _ in plan)
-
-
-def _agree(where: _Where, direction: str, plan: tuple, x: Tensor, then: tuple = ()) -> None:
-    """Every rank of the group is about to run `plan` on a tensor of x's shape and dtype, or raise."""
-    if torch.compiler.is_compiling() or _unchecked_depth or not _communicates(plan) or not needs_exchange():
-        return
-    call = f"{direction} {_plan_text(plan)} on {dtype_str(x.dtype)}{list(x.shape)}"
-    if direction == "forward":
-        call += f", backward {_plan_text(then)}"  # the roles: dst R and I differ only here
-    members = group_members(where.group_name)
-    group = "the world" if len(members) == dist.get_world_size() else f"group {where.group_name} (ranks {members})"
-    texts = exchange(f"collectives/{where.group_name}", call, members, f"hca.collectives ({call}) over {group}")
-    texts[dist.get_rank()] = call
-    if len(set(texts.values())) == 1:
-        return
-    calls: dict[str, list[int]] = {}
-    for r in sorted(texts):
-        calls.setdefault(texts[r], []).append(r)
-    raise CollectiveError(
-        f"hca.collectives: the ranks of {group} disagree on the collective they call: "
-        + "; ".join(f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}: {c}" for c, rs in calls.items())
-        + ". Every rank of the group must make the same call (op, roles, root or shift) on a tensor of the "
-        "same local shape and dtype (gloo would abort the process); look for a rank-dependent shape, such as "
-        "an uneven last batch, or a rank-dependent branch"
-    )
-
-
-def _differentiable(x: Tensor, where: _Where, kind: Kind, dst: Role, **params: Any) -> Tensor:
+def _differentiable(x: Tensor, where: Where, kind: Kind, dst: Role, **params: Any) -> Tensor:
     """Apply `kind`; backward is its transpose from the table, reduced to its local part for dst R."""
     if not isinstance(x, Tensor):
         raise CollectiveError(
@@ -328,7 +204,7 @@ def all_reduce(x: Tensor, src: Any, dst: Any, *, group: Any = None, mesh_dim: in
         +c
     """
     src, dst = role(src), role(dst)
-    where = _where(group, mesh_dim)
+    where = where_of(group, mesh_dim)
     _src_partial("all_reduce", src, dst, where.size)
     _dst_same_everywhere("all_reduce", src, dst)
     return _differentiable(x, where, Kind.ALL_REDUCE, dst)
@@ -344,7 +220,7 @@ def all_gather(x: Tensor, src: Any, dst: Any, *, group: Any = None, mesh_dim: in
         [c]
     """
     src, dst = role(src), role(dst)
-    where = _where(group, mesh_dim)
+    where = where_of(group, mesh_dim)
     if src.kind in ("R", "I"):
         raise _reject("all_gather", src, dst,
                       "the value is already whole on every rank; there is nothing to gather, use it as it is")
@@ -369,7 +245,7 @@ def reduce_scatter(x: Tensor, src: Any, dst: Any, *, group: Any = None, mesh_dim
         +[a2 b2 c2]      [c0+c1+c2]
     """
     src, dst = role(src), role(dst)
-    where = _where(group, mesh_dim)
+    where = where_of(group, mesh_dim)
     _src_partial("reduce_scatter", src, dst, where.size)
     if dst.kind not in ("S", "V"):
         raise _reject("reduce_scatter", src, dst, (
@@ -396,7 +272,7 @@ def all_to_all(x: Tensor, src: Any, dst: Any, *, group: Any = None, mesh_dim: in
         [c0 c1 c2]      [a2 b2 c2]       backward: all_to_all S(b) -> S(a)
     """
     src, dst = role(src), role(dst)
-    where = _where(group, mesh_dim)
+    where = where_of(group, mesh_dim)
     if src.kind != "S" or dst.kind != "S":
         raise _reject("all_to_all", src, dst, "all_to_all trades one shard for another: write src='S(a)', dst='S(b)'")
     a, b = (d % max(x.dim(), 1) for d in (src.dim, dst.dim))
@@ -417,7 +293,7 @@ def broadcast(x: Tensor, src: Any, dst: Any, *, root: int = 0, group: Any = None
         c
     """
     src, dst = role(src), role(dst)
-    where = _where(group, mesh_dim)
+    where = where_of(group, mesh_dim)
     if src.kind in ("R", "I"):
         raise _reject("broadcast", src, dst,
                       "the value is already the same on every rank; there is nothing to broadcast")
@@ -441,7 +317,7 @@ def ppermute(x: Tensor, src: Any, dst: Any, *, shift: int | None = None, perm=No
         c        b
     """
     src, dst = role(src), role(dst)
-    where = _where(group, mesh_dim)
+    where = where_of(group, mesh_dim)
     if src.kind not in ("V", "S") or dst.kind != "V":
         raise _reject("ppermute", src, dst, (
             "ppermute moves each rank's value to another rank, so the result differs per rank: "
