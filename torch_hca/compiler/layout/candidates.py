@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch_hca.compiler import attention, dtensor_ops
 from torch_hca._torch_private import quiet_cpu_alltoall_fallback, record_implicit_redistributions
 from torch_hca.spmd.cost_model import CostModel, smallest_matmul_dim
+from torch_hca.spmd.collective_nodes import nbytes
 from torch_hca.spmd.op_families import TORCH_MATMULS, TORCH_VIEWS, torch_flops
 from torch_hca.spmd.placements import letter
 from torch_hca.errors import UnsupportedError
@@ -114,7 +115,7 @@ def split_factor(p: Placement, n: int) -> int:
 
 
 def value_bytes(v: Any) -> float:
-    return float(v.numel() * v.element_size())
+    return float(nbytes(v))
 
 
 
