@@ -34,9 +34,10 @@ from torch_hca._torch_private import (
 )
 from torch_hca.spmd.collective_kinds import move_kind
 from torch_hca.spmd.placements import letter
-from torch_hca.errors import UnsupportedError
+from torch_hca.errors import StrategyError, UnsupportedError
 from torch_hca.compiler.parameters import parameter_name
 from torch_hca.report.compile_report import Redistribution
+from torch_hca.report import strategy_file
 from torch_hca.spmd.placements import layout_str
 
 from .infra import PassContext, PassResult
@@ -79,13 +80,21 @@ class LayoutPass:
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         placeholders = gm.graph.find_nodes(op="placeholder")
+        facts = strategy_file.graph_facts(gm, _mesh_of(gm))  # before the graph changes (docs/strategy.md)
+        loaded = self._loaded(gm, ctx, facts) if ctx.options.strategy else None
         with fake_dtensor_work([n.meta.get("example_value") for n in placeholders]):
-            decisions = self._solve(gm, ctx) if ctx.options.layout == "solve" else []
+            if loaded is not None:
+                decisions = self._replay(gm, ctx, loaded)
+            else:
+                decisions = self._solve(gm, ctx) if ctx.options.layout == "solve" else []
             implicit = self._rewrite(gm, ctx)
-        if ctx.options.layout == "dtensor":
+        if loaded is not None:
+            strategy_file.check_replayed(loaded, ctx.report.values, ctx.report.redistributions, f"graph {ctx.report.index}")
+        elif ctx.options.layout == "dtensor":
             ctx.report.layout = {"solver": "none (DTensor's per-op choices)"}
         # After the solver, a move DTensor still wanted means a strategy it mis-predicted.
         ctx.report.layout["left_to_dtensor"] = implicit
+        ctx.report.layout["strategy_facts"] = facts
         return PassResult(gm, bool(decisions or implicit), decisions + implicit)
 
     def _solve(self, gm: fx.GraphModule, ctx: PassContext) -> list[str]:
@@ -125,6 +134,38 @@ class LayoutPass:
             "as_written_s": _as_written_s(ops, layout_solver.Costs(mesh, model), o.memory_weight),
         }
         return self._emit(gm, ctx, ops, solution)
+
+    @staticmethod
+    def _loaded(gm: fx.GraphModule, ctx: PassContext, facts: dict) -> dict:
+        """This graph's entry of the strategy file, checked against this model, mesh and world size."""
+        mesh = _mesh_of(gm)
+        data = strategy_file.load(ctx.options.strategy)
+        return strategy_file.match_graph(data, facts, list(mesh.shape) if mesh is not None else [1],
+                                         ctx.report.parameters, f"graph {ctx.report.index}")
+
+    def _replay(self, gm: fx.GraphModule, ctx: PassContext, entry: dict) -> list[str]:
+        """The strategy file's moves inserted as the solver would have (no probing, no solve)."""
+        start = time.perf_counter()
+        nodes = {n.name: n for n in gm.graph.nodes}
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        decisions = []
+        for value, before, layout, readers in strategy_file.moves_to_replay(entry):
+            src, users = nodes.get(value), [nodes.get(r) for r in readers]
+            if src is None or None in users or not users:
+                raise StrategyError(
+                    f"strategy file: graph {ctx.report.index}: a move of {value!r} read by {readers} names a node this "
+                    "program lacks (hand-edited, or another torch)")
+            first = min(users, key=order.__getitem__)
+            with gm.graph.inserting_before(first):
+                node = gm.graph.call_function(dtensor_ops.redistribute, (src, layout))
+            for user in users:
+                user.replace_input_with(src, node)
+            _inherit_source(node, first)
+            self._record(ctx, node, src, before, layout, f"{first.name} reads it so (strategy file)")
+            decisions.append(f"{node.name}: {src.name} -> {layout_str(layout)} for {first.name} (strategy file)")
+        ctx.report.layout = {"solver": f"strategy file {ctx.options.strategy}", "seconds": 0.0, "probe_seconds": 0.0,
+                             "replay_seconds": time.perf_counter() - start}
+        return decisions
 
     def _emit(self, gm: fx.GraphModule, ctx: PassContext, ops, solution) -> list[str]:
         """One explicit redistribute per (value, layout) read, before its first reader."""

@@ -8,6 +8,7 @@ room importing only the rooms listed beside it:
     compiler   the logical program, lifting, the layout choice (layout/), the checks (checks/)
     report     typed records, the tables, the predicted step
     api        what users call: sharded, plan, collectives, gradients, step, checkpoints, calibrate
+    verify     the strategy file's independent checker: the spmd algebra and the errors, nothing else
     passes     the compile passes (the repository's passes/, installed as torch_hca.passes)
     backends   the torch.compile backend (backends/, installed as torch_hca.backends)
     tools      bench, demo, zoo: only the command line (torch_hca/__main__.py) reaches them
@@ -33,7 +34,8 @@ PACKAGES = {"torch_hca": "torch_hca", "passes": "torch_hca.passes", "backends": 
 ROOMS = (
     ("torch_hca.errors", "base"), ("torch_hca._torch_private", "base"), ("torch_hca.spmd", "spmd"),
     ("torch_hca.runtime", "runtime"), ("torch_hca.compiler", "compiler"), ("torch_hca.report", "report"),
-    ("torch_hca.api", "api"), ("torch_hca.passes", "passes"), ("torch_hca.backends", "backends"),
+    ("torch_hca.api", "api"), ("torch_hca.verify", "verify"),
+    ("torch_hca.passes", "passes"), ("torch_hca.backends", "backends"),
     ("torch_hca.tools", "tools"), ("torch_hca.__main__", "command line"), ("torch_hca", "package root"),
 )
 _BELOW = ("base", "spmd", "runtime", "compiler", "report")
@@ -43,12 +45,13 @@ MAY_IMPORT = {
     "runtime": ("base", "spmd", "runtime"),
     "compiler": ("base", "spmd", "runtime", "compiler"),
     "report": _BELOW,
+    "verify": ("base", "spmd", "verify"),  # the independent verifier: the algebra only, never the compiler
     "api": (*_BELOW, "api"),
     "passes": (*_BELOW, "passes"),
     "backends": (*_BELOW, "api", "passes", "backends"),
     "tools": (*_BELOW, "api", "passes", "backends", "tools", "package root"),
-    "command line": (*_BELOW, "api", "tools", "package root"),
-    "package root": (*_BELOW, "api", "package root"),
+    "command line": (*_BELOW, "api", "verify", "tools", "package root"),
+    "package root": (*_BELOW, "api", "verify", "package root"),
 }
 
 
@@ -180,3 +183,16 @@ def test_import_torch_hca_loads_neither_passes_nor_backends():
     loaded = ast.literal_eval(out.stdout.strip().splitlines()[-1])
     assert "torch_hca.api.plan" in loaded  # the check sees the core's modules
     assert [m for m in loaded if m.startswith(("torch_hca.passes", "torch_hca.backends"))] == []
+
+
+def test_the_verifier_imports_only_the_algebra_and_the_errors():
+    """torch_hca/verify/ shares no code with the compiler that wrote the strategy (docs/strategy.md)."""
+    allowed = ("torch_hca.errors", "torch_hca.spmd", "torch_hca.verify")
+    found = [(p.name, line, m) for p in (ROOT / "torch_hca" / "verify").rglob("*.py")
+             for line, m in imported_modules("torch_hca", p) if m.startswith("torch_hca")]
+    assert found, "no torch_hca import read from torch_hca/verify/"
+    assert [f for f in found if not m_allowed(f[2], allowed)] == []
+
+
+def m_allowed(module: str, allowed: tuple[str, ...]) -> bool:
+    return any(module == a or module.startswith(a + ".") for a in allowed)

@@ -12,6 +12,7 @@ from .errors import (
     PlanError,
     RankError,
     RoleError,
+    StrategyError,
     UnsupportedError,
 )
 from torch_hca.api import collectives
@@ -24,6 +25,7 @@ from torch_hca.api.calibrate import calibrate
 from torch_hca.api.checkpoint import CheckpointError, load, load_full_state_dict, save
 from torch_hca.report.compile_report import CompileReport, report
 from torch_hca.api.step import step
+from torch_hca.verify import verify
 
 __version__ = "0.1.0"
 
@@ -32,4 +34,5 @@ __all__ = [
     "Partial", "PlacementError", "PlanError", "RankError", "Replicate", "RoleError", "Shard",
     "CheckpointError", "load", "load_full_state_dict", "save",
     "UnsupportedError", "calibrate", "collectives", "current_mesh", "init_mesh", "launch", "plan", "reduce_gradients", "report", "run", "sharded", "step",
+    "StrategyError", "verify",
 ]

@@ -1,4 +1,4 @@
-"""Command line: `python -m torch_hca demo`, `bench` and `calibrate`.
+"""Command line: `python -m torch_hca demo`, `bench`, `calibrate` and `verify`.
 
 `demo` and `bench` print their results on stdout and one progress line per step of work,
 with the elapsed time, on stderr (`torch_hca.tools.progress`).
@@ -55,7 +55,16 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--hca-options", default=None, metavar="JSON",
                        help="options added to every hca contestant's, as JSON (e.g. '{\"bucket_cap_mb\": 2}'): "
                             "rerun a comparison under other knobs; recorded per hca record as hca_options")
+    verify = sub.add_parser("verify", help="check a strategy file (hca.report(c).save_strategy) by the move table "
+                            "alone: kinds, bytes, transposes, group order, Partial reduced (docs/strategy.md)")
+    verify.add_argument("strategy", help="path of the strategy file")
     args = parser.parse_args(argv)
+    if args.command == "verify":
+        from torch_hca.verify import verify as verify_file
+
+        result = verify_file(args.strategy, raise_on_failure=False)
+        print(result)
+        return 0 if result.ok else 1
     if args.command == "bench":
         from .tools.bench import main as bench_main
 

@@ -35,6 +35,11 @@ class CheckError(HCAError):
     """A generated program failed one of the backend's own checks."""
 
 
+class StrategyError(HCAError):
+    """A strategy file is malformed, of an unknown schema version, made for another model,
+    mesh or world size, or fails the independent verifier (`hca.verify`)."""
+
+
 class RankError(HCAError):
     """A rank of a local launch failed; carries its rank and traceback."""
 

@@ -72,6 +72,9 @@ class Options:
       inputs, buffers, Python scalars, pieces at the same mesh coordinate);
       "shapes": no value digests after the first call; "first": everything, on
       the first call only.
+    strategy: path of a strategy file (`hca.report(c).save_strategy(path)`, docs/strategy.md):
+      the layout pass checks it was made for this model, mesh and world size, then places
+      every value as the file says instead of probing and solving (StrategyError on any difference).
     mode: torch.compile's `mode=`, recorded in the report (not yet acted on).
     """
 
@@ -90,6 +93,7 @@ class Options:
     max_in_flight_mb: float = 64.0
     check: bool = False
     input_check: str = "values"
+    strategy: str | None = None
     mode: str | None = None
 
     @classmethod
@@ -148,8 +152,17 @@ class Options:
             raise OptionsError(
                 f"backend 'hca': options['debug_dir'] must be a directory path, got {debug_dir!r}"
             )
+        strategy = options.get("strategy")
+        if strategy is not None:
+            if not isinstance(strategy, (str, os.PathLike)):
+                raise OptionsError(f"backend 'hca': options['strategy'] must be the path of a strategy file, "
+                                   f"got {strategy!r}; write it with hca.report(compiled).save_strategy(path)")
+            if layout == "tune":
+                raise OptionsError("backend 'hca': options strategy= and layout='tune' both choose the layout; "
+                                   "leave one out")
+            strategy = os.fspath(strategy)
         return cls(
-            inner=inner, strict=options.get("strict", False), debug_dir=debug_dir,
+            inner=inner, strategy=strategy, strict=options.get("strict", False), debug_dir=debug_dir,
             rank_rewrites=options.get("rank_rewrites", False), layout=layout, tune_rounds=tune_rounds,
             cost_model=tuple(sorted(overrides.items())), schedule=options.get("schedule", True),
             check=options.get("check", False), input_check=input_check,

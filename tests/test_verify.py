@@ -1,0 +1,285 @@
+"""`hca.verify`: the independent checker accepts real strategy files and catches seeded corruptions
+of them, each with a message naming the value, the rule, what the file says and what it should.
+
+The files are real: zoo models compiled on a fake process group (world 4), saved once per module."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Shard
+
+import torch_hca as hca
+from torch_hca.runtime.mesh import reset_current_mesh
+from torch_hca.tools import zoo
+from torch_hca.verify import problems
+
+MODELS = {
+    "data_parallel": lambda: (hca.sharded({}, inputs=Shard(0), outputs=Shard(0))(zoo.DeepMLP(16, 4)), torch.randn(8, 16)),
+    "fsdp": lambda: (hca.sharded(zoo.FSDP_PLAN, inputs=Shard(0), outputs=Shard(0))(zoo.DeepMLP(16, 4)),
+                     torch.randn(64, 16)),
+    "megatron_mlp": lambda: (hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP(16, 32)), torch.randn(8, 16)),
+    "tp_block": lambda: (hca.sharded(zoo.TP_BLOCK)(zoo.TransformerBlock(128, 4, 512)), torch.randn(2, 6, 128)),
+}
+
+
+@pytest.fixture(scope="module")
+def strategies(tmp_path_factory):
+    """Each zoo model x plan above, compiled (fake world 4, schedule on) and its strategy file saved."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch._dynamo.reset()
+    reset_current_mesh()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        hca.init_mesh()
+        out = {}
+        for name, make in MODELS.items():
+            torch._dynamo.reset()
+            model, x = make()
+            c = torch.compile(model, backend="hca", options={"strict": True}, dynamic=False)
+            c(x).sum().backward()
+            out[name] = hca.report(c).save_strategy(tmp_path_factory.mktemp(name) / "s.json")
+        return out
+    finally:
+        dist.destroy_process_group()
+        reset_current_mesh()
+        torch._dynamo.reset()
+
+
+def test_every_real_strategy_verifies(strategies):
+    for name, data in strategies.items():
+        result = hca.verify(data)
+        assert result.ok and result.graphs == 1, (name, result)
+        print(f"\n{name}: {result}")
+
+
+# ----------------------------------------------------------------------------- mutations
+# Each takes a copy of a real file and a seeded Random, corrupts one thing, and returns the rule
+# that must catch it (None: the file has nothing this mutation can corrupt).
+
+
+def _graph(d):
+    return d["graphs"][0]
+
+
+def _steps(d, kind=None):
+    return [s for m in _graph(d)["moves"] for s in m["steps"] if s["kind"] is not None and kind in (None, s["kind"])]
+
+
+def dropped_reduction(d, rng):
+    """A P -> R move deleted, its readers reading the Partial value directly."""
+    g = _graph(d)
+    moves = [m for m in g["moves"] if any(s["kind"] == "all_reduce" for s in m["steps"])]
+    if not moves:
+        return None
+    m = rng.choice(moves)
+    g["moves"].remove(m)
+    del g["values"][m["node"]]
+    for v in g["values"].values():
+        v["reads"] = [m["value"] if r == m["node"] else r for r in v["reads"]]
+    gone = {s["collective"] for s in m["steps"]}
+    g["collectives"] = [c for c in g["collectives"] if c["id"] not in gone]
+    for grp in g["groups"].values():
+        grp["forward"] = [i for i in grp["forward"] if i not in gone]
+    return "partial reduced before use"
+
+
+def partial_never_reduced(d, rng):
+    """A reduction turned into a no-op: the move keeps the value Partial (P -> P)."""
+    g = _graph(d)
+    moves = [m for m in g["moves"] if any(s["kind"] == "all_reduce" for s in m["steps"])]
+    if not moves:
+        return None
+    m = rng.choice(moves)
+    g["values"][m["node"]]["placements"] = list(m["src"])
+    return "partial reduced before use"
+
+
+def wrong_shard_dim(d, rng):
+    g = _graph(d)
+    params = [v for v in g["values"].values() if v["kind"] == "parameter" and v["placements"][0].startswith("S")]
+    if not params:
+        return None
+    v = rng.choice(params)
+    v["placements"] = ["S(1)" if v["placements"][0] == "S(0)" else "S(0)"]
+    return "parameter storage"
+
+
+def wrong_bytes(d, rng):
+    steps = _steps(d)
+    if not steps:
+        return None
+    rng.choice(steps)["bytes"] += 4 * rng.randint(1, 100)
+    return "bytes"
+
+
+def wrong_wire_bytes(d, rng):
+    c = rng.choice(_graph(d)["collectives"])
+    c["wire_bytes"] *= 2
+    return "wire bytes"
+
+
+def wrong_move_kind(d, rng):
+    steps = _steps(d)
+    if not steps:
+        return None
+    s = rng.choice(steps)
+    s["kind"] = "reduce_scatter" if s["kind"] != "reduce_scatter" else "all_gather"
+    return "move table"
+
+
+def wrong_transpose_kind(d, rng):
+    steps = _steps(d)
+    if not steps:
+        return None
+    s = rng.choice(steps)
+    s["transpose"] = "all_gather" if s["transpose"] != "all_gather" else "all_reduce"
+    return "transpose"
+
+
+def backward_not_the_transpose(d, rng):
+    """A backward collective paired with a forward move it does not transpose."""
+    paired = [c for c in _graph(d)["collectives"] if c["direction"] == "backward" and c["partner"]]
+    if not paired:
+        return None
+    c = rng.choice(paired)
+    c["kind"] = "all_reduce"
+    c["wire_bytes"] = 2 * c["bytes"] * 3 / 4
+    return "transpose pair"
+
+
+def partner_of_another(d, rng):
+    """A transpose paired with the wrong forward move."""
+    paired = [c for c in _graph(d)["collectives"] if c["direction"] == "backward" and c["partner"]]
+    if len(paired) < 2:
+        return None
+    a, b = rng.sample(paired, 2)
+    a["partner"] = b["partner"]
+    return "transpose pair"
+
+
+def backward_not_owed(d, rng):
+    """A cotangent reduction whose origin's backward owes no such collective."""
+    owed = [c for c in _graph(d)["collectives"] if c["direction"] == "backward" and not c["partner"]]
+    if not owed:
+        return None
+    c = rng.choice(owed)
+    c["kind"] = "all_to_all"
+    c["wire_bytes"] = c["bytes"] * 3 / 4
+    return "cotangent reduction owed"
+
+
+def swapped_order(d, rng):
+    lists = [lst for grp in _graph(d)["groups"].values() for lst in (grp["forward"], grp["backward"]) if len(lst) > 1]
+    if not lists:
+        return None
+    lst = rng.choice(lists)
+    i = rng.randrange(len(lst) - 1)
+    lst[i], lst[i + 1] = lst[i + 1], lst[i]
+    return "group order"
+
+
+def stale_digest(d, rng):
+    p = rng.choice(list(d["model"]["parameters"].values()))
+    p["shape"][0] *= 2
+    return "model digest"
+
+
+def wrong_participants(d, rng):
+    steps = _steps(d)
+    target = rng.choice(steps) if steps else next(iter(_graph(d)["groups"].values()))
+    target["participants"] = [[0, 1], [2, 3]]
+    return "participants"
+
+
+def indivisible_shard(d, rng):
+    sharded = [v for v in _graph(d)["values"].values()
+               if v["placements"][0].startswith("S") and v["kind"] not in ("parameter",)]
+    if not sharded:
+        return None
+    v = rng.choice(sharded)
+    v["shape"][int(v["placements"][0][2:-1])] += 1
+    return "shard divides"
+
+
+def wrong_world_size(d, rng):
+    d["world_size"] = 8
+    return "world size"
+
+
+def wrong_mesh_dim(d, rng):
+    rng.choice(_graph(d)["collectives"])["mesh_dim"] = 1
+    return "group"
+
+
+def wrong_move_source(d, rng):
+    moves = _graph(d)["moves"]
+    if not moves:
+        return None
+    m = rng.choice(moves)
+    m["src"] = ["R"] if m["src"] != ["R"] else ["S(0)"]
+    return "move source"
+
+
+def unknown_version(d, rng):
+    d["version"] = 2
+    return "schema version"
+
+
+MUTATIONS = [dropped_reduction, partial_never_reduced, wrong_shard_dim, wrong_bytes, wrong_wire_bytes, wrong_move_kind,
+             wrong_transpose_kind, backward_not_the_transpose, partner_of_another, backward_not_owed, swapped_order,
+             stale_digest, wrong_participants, indivisible_shard, wrong_world_size, wrong_mesh_dim, wrong_move_source,
+             unknown_version]
+SEEDS = (0, 1, 2)
+
+
+def test_seeded_mutations_are_caught_and_named(strategies):
+    tried, caught, missed = 0, 0, []
+    for name, data in strategies.items():
+        assert problems(data) == [], name  # the unbroken control
+        for mutate in MUTATIONS:
+            for seed in SEEDS:
+                broken = copy.deepcopy(data)
+                rule = mutate(broken, random.Random(f"{name}/{mutate.__name__}/{seed}"))
+                if rule is None:
+                    continue
+                tried += 1
+                found = problems(broken)
+                if any(p.rule == rule for p in found):
+                    caught += 1
+                    text = str(next(p for p in found if p.rule == rule))
+                    assert f"rule '{rule}'" in text and "the file says" in text and "it should be" in text
+                else:
+                    missed.append(f"{name} {mutate.__name__} seed {seed}: expected rule {rule!r}, got "
+                                  f"{[str(p) for p in found][:3]}")
+    print(f"\nverifier catch rate: {caught}/{tried} = {caught / tried:.0%} of seeded mutations "
+          f"({len(MUTATIONS)} kinds x {len(strategies)} files x {len(SEEDS)} seeds where applicable)")
+    assert tried >= 100 and not missed, "\n".join(missed)
+
+
+def test_a_failure_names_the_value_the_rule_and_both_sides(strategies):
+    broken = copy.deepcopy(strategies["tp_block"])
+    assert dropped_reduction(broken, random.Random(0)) == "partial reduced before use"
+    with pytest.raises(hca.StrategyError) as info:
+        hca.verify(broken)
+    message = str(info.value)
+    assert "graph 0, value 'out': rule 'partial reduced before use'" in message or \
+        "rule 'partial reduced before use'" in message
+    assert "the file says" in message and "it should be" in message and "a move reducing" in message
+
+
+def test_verify_reads_paths_and_names_a_truncated_file(strategies, tmp_path):
+    import json
+
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(strategies["fsdp"]))
+    assert hca.verify(path).ok and hca.verify(str(path)).moves == 8
+    path.write_text(path.read_text()[:100])
+    with pytest.raises(hca.StrategyError, match="not valid JSON"):
+        hca.verify(path)
+    assert [p.rule for p in problems({"schema": "torch_hca.strategy", "version": 7})] == ["schema version"]

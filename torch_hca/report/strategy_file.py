@@ -1,0 +1,410 @@
+"""The strategy file: what the compiler decided for one compiled module, as versioned JSON.
+
+Written by `CompileReport.save_strategy` (`build`, `save`); read back by the layout pass
+under ``options={"strategy": path}`` (`load`, `match_graph`, `moves_to_replay`,
+`check_replayed`); checked on its own by `torch_hca.verify`, which shares no code with
+this module. The schema is docs/strategy.md.
+
+    hca.report(c).save_strategy("s.json")                 # rank 0 is enough: every rank's is the same
+    torch.compile(model, backend="hca", options={"strategy": "s.json"})
+    hca.verify("s.json")
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+from torch_hca._torch_private import group_size, origin_of
+from torch_hca.compiler import dtensor_ops
+from torch_hca.errors import StrategyError
+from torch_hca.spmd.collective_kinds import RULES, Kind, bytes_per_rank, move_kind
+from torch_hca.spmd.collective_nodes import OPS, node_group, node_kind, node_payload
+from torch_hca.spmd.placements import layout_str
+
+SCHEMA = "torch_hca.strategy"
+VERSION = 1
+SOLVER_REASON = " reads it so ("  # passes/layout.py's reason for a move the solver (or a strategy file) chose
+
+# ----------------------------------------------------------------------------- facts of a graph
+
+
+def _target(node: fx.Node) -> str:
+    t = node.target
+    name = t if isinstance(t, str) else getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or str(t)
+    return re.sub(r" at 0x[0-9a-f]+", "", f"{getattr(t, '__module__', '') or ''}.{name}" if not isinstance(t, str) else t)
+
+
+def _arg_text(a: Any) -> str:
+    if isinstance(a, fx.Node):
+        return f"%{a.name}"
+    if isinstance(a, (list, tuple)):
+        return "(" + ",".join(_arg_text(x) for x in a) + ")"
+    if isinstance(a, dict):
+        return "{" + ",".join(f"{k}:{_arg_text(v)}" for k, v in sorted(a.items())) + "}"
+    if isinstance(a, (int, float, str, bool)) or a is None:
+        return repr(a)
+    if isinstance(a, Placement):
+        return repr(a)
+    return type(a).__name__  # a mesh or other object: its type only (the mesh is checked on its own)
+
+
+def logical_digest(gm: fx.GraphModule) -> str:
+    """A digest of the program the layout pass reads: each node's op, target, arguments and
+    logical shape and dtype; not the placements the layout pass chooses."""
+    lines = []
+    for node in gm.graph.nodes:
+        v = node.meta.get("example_value")
+        shape = f"{list(v.shape)}:{v.dtype}" if isinstance(v, torch.Tensor) else ""
+        lines.append(f"{node.op} {node.name} {_target(node)} {_arg_text(node.args)} {_arg_text(node.kwargs)} {shape}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:32]
+
+
+def graph_facts(gm: fx.GraphModule, mesh) -> dict[str, Any]:
+    """What the layout pass notes for the strategy file before it changes the graph."""
+    facts: dict[str, Any] = {"logical_digest": logical_digest(gm)}
+    if mesh is not None:
+        facts["mesh_ranks"] = mesh.mesh.tolist()
+        facts["groups"] = {mesh.get_group(d).group_name: d for d in range(mesh.ndim)}
+    return facts
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def placements_list(text: str | None) -> list[str] | None:
+    """``"(S(0), R)"`` (layout_str) -> ``["S(0)", "R"]``."""
+    if text is None or text == "-":
+        return None
+    inner = text.strip()[1:-1].strip()
+    return [p.strip() for p in inner.split(", ")] if inner else []
+
+
+def parse_placement(text: str) -> Placement:
+    m = re.fullmatch(r"S\((\d+)\)|R|P\((\w+)\)", text.strip())
+    if m is None:
+        raise StrategyError(f"strategy file: placement {text!r} is none of R, S(d), P(op)")
+    if text == "R":
+        return Replicate()
+    return Shard(int(m.group(1))) if m.group(1) is not None else Partial(m.group(2))
+
+
+def _letter(text: str) -> str:
+    return "R" if text == "R" else ("P" if text.startswith("P") else "S" + text[2:-1])
+
+
+def dim_groups(ranks: Any, dim: int) -> list[list[int]]:
+    """The rank lists of mesh dim `dim` of a mesh given as nested rank lists."""
+    t = torch.tensor(ranks)
+    return t.movedim(dim, -1).reshape(-1, t.shape[dim]).tolist()
+
+
+def _move_steps(src: list[str], dst: list[str], shape: list[int], dtype: str, mesh: dict) -> list[dict]:
+    """One entry per mesh dim the move changes: the move table's collective, its bytes and transpose."""
+    sizes, steps = mesh["shape"], []
+    element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    for d, (a, b) in enumerate(zip(src, dst)):
+        if a == b:
+            continue
+        kind = move_kind(_letter(a), _letter(b))
+        # The payload: the value's buffer on one rank of this dim's group (other dims' shards cut it);
+        # all_to_all moves this rank's own shard (collective_kinds' convention).
+        local = math.prod(shape) * element
+        local //= math.prod(sizes[e] for e, p in enumerate(src) if e != d and p.startswith("S"))
+        if kind is Kind.ALL_TO_ALL:
+            local //= sizes[d]
+        steps.append({
+            "mesh_dim": d, "src": a, "dst": b, "kind": kind.value if kind else None,
+            "participants": dim_groups(mesh["ranks"], d),
+            "bytes": local if kind else 0,
+            "wire_bytes": bytes_per_rank(kind, local, sizes[d]) if kind else 0.0,
+            "transpose": RULES[kind].transpose.value if kind else None,
+            "collective": None, "backward": None,
+        })
+    return steps
+
+
+def _value_entry(node: fx.Node, kind: str) -> dict | None:
+    meta = node.meta.get("hca_layout")
+    v = node.meta.get("example_value")
+    if meta is None and isinstance(v, DTensor):
+        meta = {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", ""), "placements": layout_str(v.placements)}
+    if meta is None:
+        return None
+    return {"kind": kind, "op": _target(node) if node.op != "placeholder" else "placeholder",
+            "shape": list(meta["shape"]), "dtype": meta["dtype"], "placements": placements_list(meta["placements"]),
+            "reads": []}
+
+
+def _graph_entry(g: Any, mesh: dict) -> dict:
+    facts = g.layout.get("strategy_facts") or {}
+    program = g.dtensor_program
+    inputs_of_params = {p.get("graph_input"): name for name, p in g.parameters.items()}
+    values: dict[str, dict] = {}
+    outputs = []
+    for node in program.graph.nodes:
+        if node.op == "output":
+            continue
+        if node.op == "call_function" and node.target is dtensor_ops.to_output:
+            src = node.args[0]
+            outputs.append({"value": src.name, "placements": [_placement_text(p) for p in node.args[1]]})
+            continue
+        kind = ("parameter" if node.name in inputs_of_params else "input") if node.op == "placeholder" else (
+            "move" if node.target is dtensor_ops.redistribute else "op")
+        entry = _value_entry(node, kind)
+        if entry is None:
+            continue
+        if kind == "parameter":
+            entry["parameter"] = inputs_of_params[node.name]
+            entry["cotangent_role"] = g.parameters[entry["parameter"]].get("grad_reduction")
+        entry["reads"] = [a.name for a in node.all_input_nodes if a.name in values]
+        values[node.name] = entry
+    issued = _issued(g, facts)
+    collectives = _collectives(g, facts, issued)
+    moves = []
+    for r in g.redistributions:
+        node = next((n for n in program.graph.nodes if n.name == r.node), None)
+        readers = [u.name for u in node.users] if node is not None else []
+        value = values.get(r.value) or values.get(r.node) or {}
+        moves.append({
+            "node": r.node, "value": r.value, "src": placements_list(r.src), "dst": placements_list(r.dst),
+            "origin": "solver" if SOLVER_REASON in r.reason else (
+                "program" if r.reason == "explicit in the program" else "dtensor"),
+            "readers": readers,
+            "steps": _move_steps(placements_list(r.src), placements_list(r.dst), value.get("shape", []),
+                                 value.get("dtype", "float32"), mesh),
+        })
+    _link(moves, collectives)
+    groups: dict[str, dict] = {}
+    for c in issued:  # one order per group: every rank of the group issues it (one SPMD program)
+        grp = groups.setdefault(c["group"], {"mesh_dim": c["mesh_dim"], "participants": (
+            dim_groups(mesh["ranks"], c["mesh_dim"]) if c["mesh_dim"] is not None else None),
+            "forward": [], "backward": []})
+        grp[c["direction"]].append(c["id"])
+    return {"logical_digest": facts.get("logical_digest"), "values": values, "outputs": outputs, "moves": moves,
+            "collectives": collectives, "issued": issued, "groups": groups}
+
+
+def _placement_text(p: Placement) -> str:
+    return layout_str((p,))[1:-1]
+
+
+# Tags the passes leave on collective nodes (passes/transpose.py PARTNER, passes/buckets.py BUCKET):
+# read by name, as the report room may not import the passes.
+PARTNER_TAG, BUCKET_TAG = "hca_partner", "hca_bucket"
+
+
+def _issued(g: Any, facts: dict) -> list[dict]:
+    """The collectives the compiled forward and backward issue, in program order: a bucket is one."""
+    nodes = {}
+    for which in ("forward", "backward"):
+        gm = getattr(g, which)
+        if gm is not None:
+            nodes[which] = {n.name: n for n in gm.graph.nodes}
+    out = []
+    for c in g.collectives:
+        node = nodes.get(c.direction, {}).get(c.node)
+        members = list(node.meta.get(BUCKET_TAG) or []) if node is not None else []
+        out.append({
+            "id": f"{c.direction}:{c.node}", "direction": c.direction, "kind": c.kind, "group": c.group,
+            "mesh_dim": facts.get("groups", {}).get(c.group), "bytes": c.bytes, "wire_bytes": c.wire_bytes,
+            "members": [f"{c.direction}:{m}" for m in members] or [f"{c.direction}:{c.node}"],
+        })
+    return out
+
+
+def _collectives(g: Any, facts: dict, issued: list[dict]) -> list[dict]:
+    """One entry per collective the joint graph derived (before bucketing): kind, group, bytes,
+    origin (the DTensor program node it comes from), transpose partner, and the issue it rides in."""
+    issued_as = {m: i["id"] for i in issued for m in i["members"]}
+    direction = {m.split(":", 1)[1]: m.split(":", 1)[0] for m in issued_as}
+    out = []
+    if g.joint is None:
+        return out
+    for node in g.joint.graph.nodes:
+        if node.op != "call_function" or node.target not in OPS or node.name not in direction:
+            continue
+        vals = node_payload(node)
+        payload = sum(v.numel() * v.element_size() for v in vals)
+        group, which = node_group(node), direction[node.name]
+        n = group_size(group)
+        partner = node.meta.get(PARTNER_TAG)
+        other = "backward" if which == "forward" else "forward"
+        out.append({
+            "id": f"{which}:{node.name}", "direction": which, "kind": node_kind(node).value, "group": group,
+            "mesh_dim": facts.get("groups", {}).get(group), "group_size": n, "bytes": payload,
+            "wire_bytes": bytes_per_rank(node_kind(node), payload, n), "dtype": str(vals[0].dtype).replace("torch.", ""),
+            "shape": list(vals[0].shape), "origin": origin_of(node),
+            "partner": f"{other}:{partner}" if isinstance(partner, str) and "," not in partner else None,
+            "issued_as": issued_as[f"{which}:{node.name}"],
+        })
+    return out
+
+
+def _link(moves: list[dict], collectives: list[dict]) -> None:
+    """Each move step to the forward collective it issued, and that one's backward partner's kind."""
+    by_id = {c["id"]: c for c in collectives}
+    taken = set()
+    for m in moves:
+        for step in m["steps"]:
+            fw = next((c for c in collectives if c["direction"] == "forward" and c["origin"] == m["node"]
+                       and c["mesh_dim"] == step["mesh_dim"] and c["id"] not in taken), None)
+            if fw is None:
+                continue
+            taken.add(fw["id"])
+            step["collective"] = fw["id"]
+            partner = by_id.get(fw["partner"]) if fw["partner"] else None
+            step["backward"] = partner["kind"] if partner else None
+
+
+def model_digest(model: dict) -> str:
+    """The digest of the model section (all but its own ``digest``): parameters and logical graphs."""
+    body = {k: v for k, v in model.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def build(rep: Any) -> dict:
+    """The strategy file's content for a `CompileReport`."""
+    import torch_hca
+
+    graphs = [g for g in rep.graphs if g.dtensor_program is not None]
+    if not graphs or any("strategy_facts" not in g.layout for g in graphs):
+        raise StrategyError("save_strategy: no laid-out graph in this report (options inner='dtensor' and "
+                            "layout='solve' or 'as_written' all lay one out); compile and call the module once first")
+    first = graphs[0]
+    facts = first.layout["strategy_facts"]
+    mesh = {"shape": list(first.mesh["shape"]), "dim_names": list(first.mesh.get("names") or []) or None,
+            "device_type": first.mesh.get("device_type"), "ranks": facts["mesh_ranks"]}
+    parameters = {}
+    for g in graphs:
+        for name, p in g.parameters.items():
+            parameters[name] = {"shape": p["shape"], "dtype": p["dtype"], "placements": placements_list(p["placements"])}
+    model = {"graph_digests": [g.layout["strategy_facts"]["logical_digest"] for g in graphs],
+             "parameters": dict(sorted(parameters.items()))}
+    model["digest"] = model_digest(model)
+    return {
+        "schema": SCHEMA, "version": VERSION,
+        "made_by": {"torch_hca": torch_hca.__version__, "torch": torch.__version__},
+        "mesh": mesh, "world_size": math.prod(mesh["shape"]), "model": model,
+        "graphs": [_graph_entry(g, mesh) for g in graphs],
+    }
+
+
+def save(rep: Any, path: str | os.PathLike) -> dict:
+    data = build(rep)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.write("\n")
+    return data
+
+
+# ----------------------------------------------------------------------------- reading
+
+_TOP = {"schema": str, "version": int, "made_by": dict, "mesh": dict, "world_size": int, "model": dict, "graphs": list}
+_GRAPH = {"logical_digest": str, "values": dict, "outputs": list, "moves": list, "collectives": list, "issued": list,
+          "groups": dict}
+
+
+def load(source: str | os.PathLike | dict) -> dict:
+    """A strategy file read and its structure checked: StrategyError names what is wrong and the fix."""
+    where = f"strategy file {os.fspath(source)!r}" if not isinstance(source, dict) else "strategy"
+    if isinstance(source, dict):
+        data = source
+    else:
+        try:
+            with open(source) as f:
+                data = json.load(f)
+        except OSError as e:
+            raise StrategyError(f"{where}: cannot read it ({e.strerror}); "
+                                "write one with hca.report(compiled).save_strategy(path)") from e
+        except json.JSONDecodeError as e:
+            raise StrategyError(f"{where}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}): truncated or "
+                                "hand-edited? Save it again with hca.report(compiled).save_strategy(path)") from e
+    structure_problem = _structure(data)
+    if structure_problem:
+        raise StrategyError(f"{where}: {structure_problem}; save it again with hca.report(compiled).save_strategy(path)")
+    return data
+
+
+def _structure(data: Any) -> str | None:
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        return f"not a torch_hca strategy (its 'schema' is {data.get('schema') if isinstance(data, dict) else data!r}, " \
+               f"not {SCHEMA!r})"
+    if data.get("version") != VERSION:
+        return f"schema version {data.get('version')!r}, and this torch_hca reads version {VERSION} only"
+    for key, typ in _TOP.items():
+        if not isinstance(data.get(key), typ):
+            return f"'{key}' is missing or not a {typ.__name__}"
+    for i, g in enumerate(data["graphs"]):
+        for key, typ in _GRAPH.items():
+            if not isinstance(g, dict) or not isinstance(g.get(key), typ):
+                return f"graphs[{i}].{key} is missing or not a {typ.__name__}"
+    if not isinstance(data["model"].get("parameters"), dict) or not isinstance(data["model"].get("digest"), str):
+        return "model.parameters or model.digest is missing"
+    if model_digest(data["model"]) != data["model"]["digest"]:
+        return "model.digest does not match the model section (hand-edited?)"
+    return None
+
+
+def match_graph(data: dict, facts: dict, mesh_shape: list[int], parameters: dict, graph: str) -> dict:
+    """The file's entry for this graph, or StrategyError naming the first difference."""
+    world = math.prod(mesh_shape)
+
+    def differ(what: str, says: Any, here: Any) -> StrategyError:
+        return StrategyError(f"strategy file: made for another {what}: the file says {says}, this compile has {here} "
+                             f"({graph}); save a strategy for this model, mesh and world size, or leave the option out")
+
+    if data["world_size"] != world:
+        raise differ("world size", data["world_size"], world)
+    if list(data["mesh"]["shape"]) != list(mesh_shape):
+        raise differ("mesh", f"shape {data['mesh']['shape']}", f"shape {list(mesh_shape)}")
+    if data["mesh"].get("ranks") != facts.get("mesh_ranks"):
+        raise differ("mesh", f"ranks {data['mesh'].get('ranks')}", f"ranks {facts.get('mesh_ranks')}")
+    known = data["model"]["parameters"]
+    for name, p in parameters.items():
+        if name not in known:
+            raise differ("model", "no parameter " + repr(name), f"parameter {name!r} {p['shape']}")
+        mine = {"shape": p["shape"], "dtype": p["dtype"], "placements": placements_list(p["placements"])}
+        for key in ("shape", "dtype", "placements"):
+            if known[name][key] != mine[key]:
+                raise differ("model", f"parameter {name!r} {key} {known[name][key]}", f"{mine[key]}")
+    entry = next((g for g in data["graphs"] if g["logical_digest"] == facts["logical_digest"]), None)
+    if entry is None:
+        raise differ("model", f"logical graph digest(s) {', '.join(g['logical_digest'] for g in data['graphs'])}",
+                     f"{facts['logical_digest']} (the forward's code, an input's shape or dtype differs)")
+    return entry
+
+
+def moves_to_replay(entry: dict) -> list[tuple[str, tuple[Placement, ...], tuple[Placement, ...], list[str]]]:
+    """(value, source layout, destination layout, readers) of each move the solver chose, in the file's order."""
+    layout = lambda texts: tuple(parse_placement(p) for p in texts)
+    return [(m["value"], layout(m["src"]), layout(m["dst"]), list(m["readers"]))
+            for m in entry["moves"] if m["origin"] == "solver"]
+
+
+def check_replayed(entry: dict, values: dict[str, dict], redistributions: list, graph: str) -> None:
+    """After the layout pass replayed the file's moves: every value and move as the file says."""
+    for name, meta in values.items():
+        said = entry["values"].get(name)
+        if said is None:
+            raise StrategyError(f"strategy file: {graph}: value {name!r} {meta['placements']} is not in the file "
+                                "(the file does not lay this program out)")
+        here = placements_list(meta["placements"])
+        if said["placements"] != here:
+            raise StrategyError(f"strategy file: {graph}: value {name!r} is {said['placements']} in the file, "
+                                f"{here} after replaying its moves (hand-edited, or another torch)")
+    mine = [(r.node, r.value, placements_list(r.src), placements_list(r.dst)) for r in redistributions]
+    theirs = [(m["node"], m["value"], m["src"], m["dst"]) for m in entry["moves"]]
+    if mine != theirs:
+        first = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+        says = theirs[first] if first < len(theirs) else "nothing more"
+        here = mine[first] if first < len(mine) else "nothing more"
+        raise StrategyError(f"strategy file: {graph}: move {first} is {says} in the file, {here} after replaying")
