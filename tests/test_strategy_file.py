@@ -160,3 +160,28 @@ def test_command_line_verify(fake_pg, tmp_path, capsys):
     path.write_text(json.dumps(data))
     assert main(["verify", str(path)]) == 1
     assert "rule 'bytes'" in capsys.readouterr().out
+
+
+def test_two_d_mesh_round_trip_and_another_mesh_is_a_named_error(fake_pg, tmp_path):
+    from torch.distributed.tensor import Replicate
+
+    def tp_2d():
+        return (hca.sharded(zoo.two_d(zoo.TP_BLOCK), inputs=(Shard(0), Replicate()), outputs=(Shard(0), Replicate()))(
+            zoo.TransformerBlock(64, 4, 128)), torch.randn(4, 6, 64))
+
+    def dp_2d():
+        return (hca.sharded({}, inputs=(Shard(0), Replicate()), outputs=(Shard(0), Replicate()))(zoo.DeepMLP(16, 4)),
+                torch.randn(8, 16))
+
+    _compiled(*_dp()).save_strategy(tmp_path / "dp_1d.json")
+    hca.init_mesh((2, 2), ("dp", "tp"))
+    solved = _compiled(*tp_2d())
+    data = solved.save_strategy(tmp_path / "tp_2d.json")
+    assert data["mesh"]["ranks"] == [[0, 1], [2, 3]] and data["mesh"]["dim_names"] == ["dp", "tp"]
+    loaded = _compiled(*tp_2d(), strategy=str(tmp_path / "tp_2d.json"))
+    assert loaded.graph.layout["probe_seconds"] == 0.0
+    assert loaded.collective_counts() == solved.collective_counts()
+    assert loaded.save_strategy(tmp_path / "again.json") == data
+    assert hca.verify(data).ok
+    with pytest.raises(hca.StrategyError, match=r"another mesh: the file says shape \[4\], this compile has shape \[2, 2\]"):
+        _compiled(*dp_2d(), strategy=str(tmp_path / "dp_1d.json"))

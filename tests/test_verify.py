@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 import torch_hca as hca
 from torch_hca.runtime.mesh import reset_current_mesh
@@ -25,25 +25,32 @@ MODELS = {
     "megatron_mlp": lambda: (hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP(16, 32)), torch.randn(8, 16)),
     "tp_block": lambda: (hca.sharded(zoo.TP_BLOCK)(zoo.TransformerBlock(128, 4, 512)), torch.randn(2, 6, 128)),
 }
+# On a 2-D (dp, tp) mesh of the same 4 ranks.
+MODELS_2D = {
+    "tp_block_2d": lambda: (hca.sharded(zoo.two_d(zoo.TP_BLOCK), inputs=(Shard(0), Replicate()),
+                                        outputs=(Shard(0), Replicate()))(zoo.TransformerBlock(64, 4, 128)),
+                            torch.randn(4, 6, 64)),
+}
 
 
 @pytest.fixture(scope="module")
 def strategies(tmp_path_factory):
-    """Each zoo model x plan above, compiled (fake world 4, schedule on) and its strategy file saved."""
+    """Each zoo model x plan above, compiled (fake world 4, schedule on: buckets) and its strategy file saved."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     torch._dynamo.reset()
     reset_current_mesh()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
-        hca.init_mesh()
         out = {}
-        for name, make in MODELS.items():
-            torch._dynamo.reset()
-            model, x = make()
-            c = torch.compile(model, backend="hca", options={"strict": True}, dynamic=False)
-            c(x).sum().backward()
-            out[name] = hca.report(c).save_strategy(tmp_path_factory.mktemp(name) / "s.json")
+        for mesh, models in ((((4,), None), MODELS), (((2, 2), ("dp", "tp")), MODELS_2D)):
+            hca.init_mesh(*mesh)
+            for name, make in models.items():
+                torch._dynamo.reset()
+                model, x = make()
+                c = torch.compile(model, backend="hca", options={"strict": True}, dynamic=False)
+                c(x).sum().backward()
+                out[name] = hca.report(c).save_strategy(tmp_path_factory.mktemp(name) / "s.json")
         return out
     finally:
         dist.destroy_process_group()
@@ -54,7 +61,7 @@ def strategies(tmp_path_factory):
 def test_every_real_strategy_verifies(strategies):
     for name, data in strategies.items():
         result = hca.verify(data)
-        assert result.ok and result.graphs == 1, (name, result)
+        assert result.ok and result.graphs == 1 and result.collectives > 0, (name, result)
         print(f"\n{name}: {result}")
 
 
@@ -100,13 +107,18 @@ def partial_never_reduced(d, rng):
     return "partial reduced before use"
 
 
+def _sharded_at(v):
+    return next((m for m, p in enumerate(v["placements"]) if p.startswith("S")), None)
+
+
 def wrong_shard_dim(d, rng):
     g = _graph(d)
-    params = [v for v in g["values"].values() if v["kind"] == "parameter" and v["placements"][0].startswith("S")]
+    params = [v for v in g["values"].values() if v["kind"] == "parameter" and _sharded_at(v) is not None]
     if not params:
         return None
     v = rng.choice(params)
-    v["placements"] = ["S(1)" if v["placements"][0] == "S(0)" else "S(0)"]
+    m = _sharded_at(v)
+    v["placements"][m] = "S(1)" if v["placements"][m] == "S(0)" else "S(0)"
     return "parameter storage"
 
 
@@ -193,17 +205,16 @@ def stale_digest(d, rng):
 def wrong_participants(d, rng):
     steps = _steps(d)
     target = rng.choice(steps) if steps else next(iter(_graph(d)["groups"].values()))
-    target["participants"] = [[0, 1], [2, 3]]
+    target["participants"] = [[r for group in target["participants"] for r in group][::-1]]
     return "participants"
 
 
 def indivisible_shard(d, rng):
-    sharded = [v for v in _graph(d)["values"].values()
-               if v["placements"][0].startswith("S") and v["kind"] not in ("parameter",)]
+    sharded = [v for v in _graph(d)["values"].values() if _sharded_at(v) is not None and v["kind"] != "parameter"]
     if not sharded:
         return None
     v = rng.choice(sharded)
-    v["shape"][int(v["placements"][0][2:-1])] += 1
+    v["shape"][int(v["placements"][_sharded_at(v)][2:-1])] += 1
     return "shard divides"
 
 
@@ -213,7 +224,7 @@ def wrong_world_size(d, rng):
 
 
 def wrong_mesh_dim(d, rng):
-    rng.choice(_graph(d)["collectives"])["mesh_dim"] = 1
+    rng.choice(_graph(d)["collectives"])["mesh_dim"] += 1
     return "group"
 
 
@@ -226,6 +237,24 @@ def wrong_move_source(d, rng):
     return "move source"
 
 
+def wrong_bucket_bytes(d, rng):
+    buckets = [i for i in _graph(d)["issued"] if len(i["members"]) > 1]
+    if not buckets:
+        return None
+    rng.choice(buckets)["bytes"] -= 4
+    return "bytes"
+
+
+def collective_never_issued(d, rng):
+    """A collective left out of the bucket that issues it."""
+    buckets = [i for i in _graph(d)["issued"] if len(i["members"]) > 1]
+    if not buckets:
+        return None
+    b = rng.choice(buckets)
+    b["members"].remove(rng.choice(b["members"]))
+    return "issued once"
+
+
 def unknown_version(d, rng):
     d["version"] = 2
     return "schema version"
@@ -234,7 +263,7 @@ def unknown_version(d, rng):
 MUTATIONS = [dropped_reduction, partial_never_reduced, wrong_shard_dim, wrong_bytes, wrong_wire_bytes, wrong_move_kind,
              wrong_transpose_kind, backward_not_the_transpose, partner_of_another, backward_not_owed, swapped_order,
              stale_digest, wrong_participants, indivisible_shard, wrong_world_size, wrong_mesh_dim, wrong_move_source,
-             unknown_version]
+             wrong_bucket_bytes, collective_never_issued, unknown_version]
 SEEDS = (0, 1, 2)
 
 
