@@ -65,7 +65,7 @@ def test_contention_is_the_share_of_a_collective_that_overlap_does_not_hide(coll
     cal = importlib.import_module("torch_hca.api.calibrate")
     # Two 10 ms steps outlast the 15 ms collective by 5 ms: room for a loaded machine's late wake-ups.
     step = lambda: time.sleep(0.01)
-    share = cal._contention(step, 0.01, lambda: collective(0.015), 0.015, lambda: None, repeats=10)
+    share = cal._share(*cal._contention_times(step, 2, lambda: collective(0.015), lambda: None, repeats=10))
     assert abs(share - expected) < 0.3, share
 
 
@@ -108,16 +108,101 @@ def test_latency_and_bandwidth_are_the_line_through_the_all_reduces():
 
 
 @pytest.mark.parametrize("h", [0.0, 8.0, 40.0])
-def test_matmul_half_dim_is_the_h_that_fits_both_rates(monkeypatch, h):
+def test_matmul_half_dim_is_the_h_that_fits_both_rates(h):
     """Times of x @ w at 16 and 256 rows whose rates are d / (d + h) of one peak give back h."""
     cal = importlib.import_module("torch_hca.api.calibrate")
     peak = 1e11
     seconds = lambda rows: 2 * rows * 512 * 512 / (peak * rows / (rows + h))
-    monkeypatch.setattr(cal, "_typical_in_turn_s", lambda fns, repeats: [seconds(16), seconds(256)])
-    assert cal._matmul_half_dim(torch.device("cpu"), lambda: None, 3) == pytest.approx(h, abs=1e-9)
+    assert cal._half_dim(seconds(16), seconds(256)) == pytest.approx(h, abs=1e-9)
 
 
-def test_matmul_half_dim_is_zero_where_small_matmuls_are_not_slower(monkeypatch):
+def test_matmul_half_dim_is_zero_where_small_matmuls_are_not_slower():
     cal = importlib.import_module("torch_hca.api.calibrate")
-    monkeypatch.setattr(cal, "_typical_in_turn_s", lambda fns, repeats: [1.0, 17.0])  # 16 rows faster per row
-    assert cal._matmul_half_dim(torch.device("cpu"), lambda: None, 3) == 0.0
+    assert cal._half_dim(1.0, 17.0) == 0.0  # 16 rows faster per row
+
+
+# ------------------------------------------------------------ rounds: the fastest kept, noise flagged
+# A quiet round's seconds per probe (`PROBES`), plausible for two gloo ranks on a small CPU.
+QUIET = {"all_gather_4B": 1e-4, "all_reduce_4B": 1.2e-4, "all_reduce_64KiB": 3e-4, "all_reduce_512KiB": 1e-3,
+         "all_reduce_4MiB": 6e-3, "all_gather_4MiB": 4e-3, "reduce_scatter_4MiB": 7e-3, "mlp_step": 1e-3,
+         "matmul_16_rows": 1.2e-4, "matmul_256_rows": 1.7e-3, "gather_after_compute": 3e-4, "steps_alone": 6e-3,
+         "all_reduce_alone": 6e-3, "all_reduce_under_steps": 9e-3, "op": 1e-5, "copy_16MiB": 3e-3}
+
+
+def _slower(times, factor, *probes):
+    return {k: v * (factor if k in probes else 1.0) for k, v in times.items()}
+
+
+def test_every_probe_has_a_quiet_time():
+    cal = importlib.import_module("torch_hca.api.calibrate")
+    assert tuple(QUIET) == cal.PROBES and set(cal.JUDGED) <= set(cal.PROBES)
+
+
+def test_each_probe_keeps_its_fastest_round_and_its_spread():
+    cal = importlib.import_module("torch_hca.api.calibrate")
+    rounds = [{"mlp_step": 1.1, "copy_16MiB": 3.0, "op": 1.0}, {"mlp_step": 4.0, "copy_16MiB": 12.0, "op": 1.0},
+              {"mlp_step": 1.2, "copy_16MiB": 2.0, "op": 1.0}]
+    fastest, spread = cal._stable(rounds)
+    assert fastest == {"mlp_step": 1.1, "copy_16MiB": 2.0, "op": 1.0}
+    assert spread == pytest.approx({"mlp_step": 4.0 / 1.1 - 1, "copy_16MiB": 5.0, "op": 0.0})
+
+
+@pytest.mark.parametrize("factor,noisy", [(1.2, []), (1.5, ["mlp_step"]), (4.0, ["mlp_step"])])
+def test_a_judged_probe_slower_beyond_the_threshold_is_noisy(factor, noisy):
+    cal = importlib.import_module("torch_hca.api.calibrate")
+    _, spread = cal._stable([QUIET, _slower(QUIET, factor, "mlp_step", "op", "all_reduce_4B")])
+    assert cal._noisy(spread, 0.3) == noisy  # host times and small collectives vary even when quiet: not judged
+    assert cal._noisy(spread, math.inf) == []
+
+
+class _FakeProbes:
+    """What `_figures_of` reads of `_Probes`, without setting any up."""
+
+    def __init__(self, device):
+        self.n, self.sizes, self.big = 4, (2 ** 14, 2 ** 17, 2 ** 20), torch.empty(2 ** 20)
+        self.step_flops, self.copy_bytes = 11 * 2 * 256 ** 3, 2 * 2 ** 24
+
+
+@pytest.fixture
+def injected(fake_pg, monkeypatch):
+    """`_measure` on the fake process group, its rounds' seconds taken from the list it returns."""
+    cal = importlib.import_module("torch_hca.api.calibrate")
+    rounds = []
+    monkeypatch.setattr(cal, "_Probes", _FakeProbes)
+    monkeypatch.setattr(cal, "_round", lambda probes, repeats: rounds.pop(0))
+    monkeypatch.setattr(cal, "_host_s", lambda figures, device, repeats: (1e-3, 2e-5))
+    return rounds
+
+
+def test_a_loaded_round_does_not_decide_the_figures(injected, recwarn):
+    cal = importlib.import_module("torch_hca.api.calibrate")
+    injected += [QUIET] * 3
+    quiet = cal._measure(3, rounds=3)
+    assert not quiet.noisy and not recwarn.list
+    # The issue's case: compute at a quarter of its speed while other work shared the machine.
+    injected += [QUIET, _slower(QUIET, 4.0, "mlp_step", "matmul_256_rows"), _slower(QUIET, 1.1, "mlp_step")]
+    with pytest.warns(UserWarning, match=r"hca.calibrate: noisy: the slowest of 3 rounds ran slower than the "
+                                         r"fastest by mlp_step 300%, matmul_256_rows 300% \(more than 30%\)"):
+        loaded = cal._measure(3, rounds=3)
+    assert loaded.noisy and loaded == quiet  # the fastest rounds: the quiet figures
+    assert loaded.spread["mlp_step"] == pytest.approx(3.0) and tuple(loaded) == FIELDS
+    assert quiet["flops_per_s"] == pytest.approx(11 * 2 * 256 ** 3 / 1e-3 * (256 + quiet["matmul_half_dim"]) / 256)
+
+
+def test_the_figures_say_when_they_were_measured(injected):
+    import datetime
+
+    cal = importlib.import_module("torch_hca.api.calibrate")
+    injected += [QUIET]
+    before = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+    figures = cal._measure(3, rounds=1)
+    at = datetime.datetime.fromisoformat(figures.measured_at)
+    assert before <= at <= datetime.datetime.now(datetime.timezone.utc) and at.utcoffset() == datetime.timedelta(0)
+    assert figures.spread == dict.fromkeys(QUIET, 0.0) and not figures.noisy  # one round: nothing to compare
+
+
+@pytest.mark.parametrize("kwargs,match", [({"rounds": 0}, r"rounds=0; give a positive int"),
+                                          ({"max_spread": 0}, r"max_spread=0; give a number > 0")])
+def test_bad_rounds_or_threshold(fake_pg, kwargs, match):
+    with pytest.raises(hca.HCAError, match=r"hca\.calibrate: " + match):
+        hca.calibrate(**kwargs)

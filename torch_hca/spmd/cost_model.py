@@ -51,8 +51,11 @@ splitting a batch of 64 rows over two ranks does not halve each one's matmul tim
 Figures measured once per machine are kept on disk: ``hca.calibrate(cache=True)``
 (or ``python -m torch_hca calibrate``) stores them in ``calibration.json`` under
 `cache_dir()`, keyed by (host, world size, backend, torch version), and
-`cached_calibration()` reads them back. The compiler starts from them when this
-host has an entry for the process group it compiles on (`base_model`), else from
+`cached_calibration()` reads them back. Each entry records when it was measured and
+whether it was noisy (its rounds disagreed: other work shared the machine); a noisy
+calibration never replaces a quiet one. The compiler starts from an entry when this
+host has one for the process group it compiles on (`base_model`; its source, which
+every compile log names, says when it was measured and whether it was noisy), else from
 the defaults; ``options={"cost_model": {...}}`` overrides fields of either.
 """
 
@@ -200,7 +203,9 @@ def cost_model(backend: str, overrides: Mapping[str, Any] | None = None) -> Cost
 
 def base_model(backend: str) -> tuple[CostModel, str]:
     """The model the compiler starts from, and where it came from: this host's cached
-    calibration for the current process group ("calibrated <when>"), else the defaults.
+    calibration for the current process group ("calibrated 2026-12-03 06:10 UTC (cache
+    <file>)", with ", noisy" where its rounds disagreed), else the defaults ("defaults (not
+    measured)").
 
     Each rank reads its own host's file: ranks on hosts with different entries would
     solve differently, which the first call's agreement check reports by rank.
@@ -210,10 +215,10 @@ def base_model(backend: str) -> tuple[CostModel, str]:
     if backend not in DEFAULTS:
         raise OptionsError(f"cost model: unknown backend {backend!r}; use one of {sorted(DEFAULTS)}")
     if dist.is_initialized() and str(dist.get_backend()) == backend:
-        entry = _cached_entry()
-        if entry is not None:
-            return CostModel(**entry[0]), f"calibrated {entry[1]}"
-    return DEFAULTS[backend], "defaults"
+        found = cached_calibration()
+        if found is not None:
+            return CostModel(**found), f"{found.describe()} (cache {cache_dir() / CACHE_FILE})"
+    return DEFAULTS[backend], "defaults (not measured)"
 
 
 def with_overrides(model: CostModel, overrides: Mapping[str, Any] | None) -> CostModel:
@@ -240,12 +245,52 @@ def with_overrides(model: CostModel, overrides: Mapping[str, Any] | None) -> Cos
 
 
 # ------------------------------------------------------------ calibration cache
-# One JSON file of entries {host, world_size, backend, torch, figures, measured_at};
-# an entry is used only when all four keys match. A file that cannot be read is
+# One JSON file of entries {host, world_size, backend, torch, figures, measured_at, noisy,
+# spread}; an entry is used only when all four keys match. A file that cannot be read is
 # ignored with a warning (and replaced by the next store), never an error.
 
 CACHE_FILE = "calibration.json"
 _KEY = ("host", "world_size", "backend", "torch")
+
+
+class Calibration(dict):
+    """Measured figures: a dict of the cost model's fields (what ``options={"cost_model": ...}``
+    takes), and how far to trust them.
+
+    measured_at: when, in UTC (ISO 8601, to the second); noisy: whether the measurement's
+    rounds disagreed beyond the threshold (other work shared the machine: the figures may be
+    slow); spread: per probe of `hca.calibrate`, how much slower its slowest round ran than
+    its fastest (0.3: 30% slower).
+    """
+
+    def __init__(self, figures: Mapping[str, float], measured_at: str | None = None, noisy: bool = False,
+                 spread: Mapping[str, float] | None = None):
+        super().__init__(figures)
+        self.measured_at = measured_at or now_utc()
+        self.noisy = bool(noisy)
+        self.spread = dict(spread or {})
+
+    def describe(self) -> str:
+        """"calibrated 2026-12-03 06:10 UTC", with ", noisy" where it was."""
+        return f"calibrated {when(self.measured_at)}" + (", noisy" if self.noisy else "")
+
+    def __repr__(self) -> str:
+        return f"Calibration({dict(self)!r}, measured_at={self.measured_at!r}, noisy={self.noisy})"
+
+
+def now_utc() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def when(measured_at: str) -> str:
+    """An ISO 8601 time as a log reads it: "2026-12-03 06:10 UTC" (unchanged when it is not one)."""
+    try:
+        t = datetime.datetime.fromisoformat(measured_at)
+    except (TypeError, ValueError):
+        return str(measured_at)
+    if t.tzinfo is not None:
+        t = t.astimezone(datetime.timezone.utc)
+    return t.strftime("%Y-%m-%d %H:%M UTC")
 
 
 def cache_dir() -> Path:
@@ -301,43 +346,56 @@ def _valid_figures(figures: Any) -> dict[str, float]:
     return {k: float(figures[k]) for k in names}
 
 
-def cached_calibration(world_size: int | None = None, backend: str | None = None) -> dict[str, float] | None:
+def cached_calibration(world_size: int | None = None, backend: str | None = None) -> Calibration | None:
     """The figures `store_calibration` kept for this host, world size, backend and torch
-    version, or None. Reads this process's file only: under several hosts, let rank 0 decide
-    (``hca.calibrate(cache=True)`` does), so that every rank solves with the same figures."""
-    entry = _cached_entry(world_size, backend)
-    return None if entry is None else entry[0]
-
-
-def _cached_entry(world_size: int | None = None, backend: str | None = None) -> tuple[dict[str, float], str] | None:
-    """(figures, when they were measured) of this key's entry, or None."""
+    version (with when they were measured and whether they were noisy), or None. Reads this
+    process's file only: under several hosts, let rank 0 decide (``hca.calibrate(cache=True)``
+    does), so that every rank solves with the same figures."""
     key = calibration_key(world_size, backend)
     path = cache_dir() / CACHE_FILE
-    for entry in _read_entries(path):
-        if all(entry.get(k) == key[k] for k in _KEY):
-            try:
-                return _valid_figures(entry.get("figures")), str(entry.get("measured_at", "?"))
-            except (ValueError, HCAError) as e:
-                warnings.warn(f"torch_hca: ignoring a calibration cache entry in {path} ({e}); "
-                              "hca.calibrate(cache=True, refresh=True) measures it again", stacklevel=3)
-                return None
-    return None
+    entry = _entry(_read_entries(path), key)
+    if entry is None:
+        return None
+    try:
+        figures = _valid_figures(entry.get("figures"))
+    except (ValueError, HCAError) as e:
+        warnings.warn(f"torch_hca: ignoring a calibration cache entry in {path} ({e}); "
+                      "hca.calibrate(cache=True, refresh=True) measures it again", stacklevel=2)
+        return None
+    spread = entry.get("spread")
+    return Calibration(figures, str(entry.get("measured_at", "?")), entry.get("noisy") is True,
+                       spread if isinstance(spread, dict) else None)
+
+
+def _entry(entries: list[dict], key: Mapping[str, Any]) -> dict | None:
+    return next((e for e in entries if all(e.get(k) == key[k] for k in _KEY)), None)
 
 
 def store_calibration(figures: Mapping[str, float], world_size: int | None = None,
                       backend: str | None = None) -> Path:
     """Keep `figures` as this key's entry (replacing an older one); returns the file's path.
 
-    Written to a temporary file and renamed, so a reader never sees half a file.
+    A `Calibration` keeps its time, noise flag and spreads; other figures are stored as quiet,
+    measured now. A noisy calibration never replaces a quiet one (a warning says so): where
+    this key has a quiet entry, the file is left as it is. Written to a temporary file and
+    renamed, so a reader never sees half a file.
     """
+    meta = figures if isinstance(figures, Calibration) else Calibration(figures)
     figures = _valid_figures(figures)
     key = calibration_key(world_size, backend)
     folder = cache_dir()
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / CACHE_FILE
-    kept = [e for e in _read_entries(path) if not all(e.get(k) == key[k] for k in _KEY)]
-    kept.append({**key, "figures": figures,
-                 "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+    entries = _read_entries(path)
+    old = _entry(entries, key)
+    if meta.noisy and old is not None and old.get("noisy") is not True:
+        warnings.warn(f"torch_hca: a noisy calibration ({meta.describe()}) did not replace the quiet one of "
+                      f"{when(str(old.get('measured_at', '?')))} in {path}; measure again on a quiet machine "
+                      "(hca.calibrate(refresh=True))", stacklevel=2)
+        return path
+    kept = [e for e in entries if e is not old]
+    kept.append({**key, "figures": figures, "measured_at": meta.measured_at, "noisy": meta.noisy,
+                 "spread": meta.spread})
+    folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=CACHE_FILE, dir=folder)
     with os.fdopen(fd, "w") as f:
         json.dump({"format": 1, "entries": kept}, f, indent=2)

@@ -274,15 +274,22 @@ def _run_model(spec: Spec, contestants: list, cfg: RunConfig, mesh, costs: dict,
 
 
 def hca_costs(cfg: RunConfig, mesh, progress: Progress) -> tuple[dict, str]:
-    """hca's cost model in this run, passed to every hca contestant: rank 0's calibrated figures
-    (cached, else measured and cached: what the compiler uses by default), or the defaults;
-    and where they came from."""
+    """hca's cost model in this run, passed to every hca contestant: rank 0's quiet cached
+    calibration (what the compiler uses by default), else figures measured now; or the
+    defaults; and where they came from ("cached <when>", "measured <when>, not cached",
+    ", noisy" where flagged, or "defaults").
+
+    The bench never writes the user's cache: a calibration measured under the bench's own
+    load (its contestants, its rounds) would decide every later compile on this machine."""
+    from torch_hca.spmd.cost_model import when
+
     if cfg.default_costs:
         return DEFAULTS[backend_for(mesh.device_type)].as_dict(), "defaults"
-    progress("calibrating the cost model on the ranks ..." if cfg.recalibrate else
-             "cost model: the cached calibration, else calibrating on the ranks ...")
-    costs, cached = cached_calibrate(refresh=cfg.recalibrate)
-    return costs, "cached" if cached else "measured"
+    progress("calibrating the cost model on the ranks (not cached) ..." if cfg.recalibrate else
+             "cost model: the cached calibration, else calibrating on the ranks (not cached) ...")
+    costs, cached = cached_calibrate(refresh=cfg.recalibrate, store=False)
+    source = f"cached {when(costs.measured_at)}" if cached else f"measured {when(costs.measured_at)}, not cached"
+    return dict(costs), source + (", noisy" if costs.noisy else "")
 
 
 def run_rank(models: list, contestants: list, cfg: RunConfig, since: float | None = None) -> list:
