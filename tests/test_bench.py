@@ -48,7 +48,7 @@ def run(tmp_path_factory):
          "--round-ms", "10", "--hca-options", '{"input_check": "values"}',  # the default: the flag's plumbing
          "--profile", str(traces), "--json", str(out)],
         capture_output=True, text=True, timeout=900,
-        # The bench calibrates and caches: in its own folder, not the session's (which stays empty).
+        # The bench reads a cache but never writes one: its own folder all the same, not the session's.
         env={**os.environ, "TORCH_HCA_CACHE_DIR": str(folder / "cache")},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

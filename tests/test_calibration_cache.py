@@ -328,3 +328,17 @@ def test_the_log_line_says_which_figures_and_from_where():
     layout = {"cost_model": FIGURES, "cost_model_source": "calibrated 2026-12-03 06:10 UTC, noisy (cache x.json)"}
     assert _figures(types.SimpleNamespace(layout=layout)) == (
         "; cost model: calibrated 2026-12-03 06:10 UTC, noisy (cache x.json): compute 90 GFLOP/s, links 1.5 GB/s")
+
+
+def test_a_full_set_of_figures_is_named_as_given_not_as_overrides():
+    """The bench passes every figure: its compile log says so instead of listing each as an override."""
+    import dataclasses
+
+    from torch_hca.compiler.options import Options
+    from torch_hca.spmd.cost_model import DEFAULTS
+
+    every = dataclasses.asdict(DEFAULTS["gloo"])
+    _, source = Options.parse({"cost_model": every}).costs_and_source("cpu")
+    assert source == "options['cost_model'] (every figure given)"
+    _, source = Options.parse({"cost_model": {"flops_per_s": 1e10}}).costs_and_source("cpu")
+    assert source.endswith(" with overrides of flops_per_s")

@@ -42,10 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--tiny", action="store_true", help="tiny models (a smoke test, not a measurement)")
     bench.add_argument("--default-costs", action="store_true",
                        help="hca uses the cost model's documented defaults (default: this machine's calibration, "
-                            "cached for this host, world size, backend and torch version, else measured and "
-                            "cached first; docs/bench.md)")
+                            "if a quiet one is cached for this host, world size, backend and torch version, else "
+                            "measured for this run only: the bench never writes the cache; docs/bench.md)")
     bench.add_argument("--recalibrate", action="store_true",
-                       help="measure the calibration again even when cached (and replace the cache)")
+                       help="measure the calibration for this run even when one is cached (the cache is left as it is)")
     bench.add_argument("--rounds", type=int, default=1, metavar="K",
                        help="timed steps in K round-robin rounds of --steps steps per contestant, medians over "
                             "all (default 1: each contestant's timed steps in one block)")

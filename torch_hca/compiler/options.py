@@ -178,6 +178,9 @@ class Options:
         defaults (`base_model`), with this compile's overrides; and where it came from
         ("calibrated <when>" or "defaults", + "with overrides of ...")."""
         base, source = base_model(backend_for(device_type))
-        if self.cost_model:
-            source += f" with overrides of {', '.join(k for k, _ in self.cost_model)}"
+        given = [k for k, _ in self.cost_model]
+        if set(given) >= {f.name for f in dataclasses.fields(base)}:
+            source = "options['cost_model'] (every figure given)"  # nothing of the base is left
+        elif given:
+            source += f" with overrides of {', '.join(given)}"
         return with_overrides(base, dict(self.cost_model)), source
