@@ -33,12 +33,11 @@ from torch_hca._torch_private import (
     record_implicit_redistributions,
 )
 from torch_hca.spmd.collective_kinds import move_kind
-from torch_hca.spmd.placements import letter
+from torch_hca.spmd.placements import dtype_str, layout_str, letter
 from torch_hca.errors import StrategyError, UnsupportedError
 from torch_hca.compiler.parameters import parameter_name
 from torch_hca.report.compile_report import Redistribution
 from torch_hca.report import strategy_file
-from torch_hca.spmd.placements import layout_str
 
 from .infra import PassContext, PassResult
 
@@ -65,7 +64,7 @@ def _describe(e: RedistributionEvent) -> str:
 
 def _value_meta(v: Any) -> dict[str, Any] | None:
     if isinstance(v, DTensor):
-        return {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", ""), "placements": layout_str(v.placements)}
+        return {"shape": list(v.shape), "dtype": dtype_str(v.dtype), "placements": layout_str(v.placements)}
     return None
 
 

@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from torch_hca.errors import HCAError
 from torch_hca.spmd.cost_model import CostModel
-from torch_hca.spmd.placements import layout_str
-from torch_hca.spmd.placements import partial_dims
+from torch_hca.spmd.collective_nodes import nbytes
+from torch_hca.spmd.placements import dtype_str, layout_str, partial_dims
 from torch_hca.report.parallelism import sentence
 
 
@@ -258,7 +258,7 @@ class CompileReport:
             for c in g.collectives:
                 rows.append((
                     str(position), c.direction[:3], c.kind, c.group, str(c.group_size),
-                    "x".join(map(str, c.shape)) or "scalar", c.dtype.replace("torch.", ""),
+                    "x".join(map(str, c.shape)) or "scalar", dtype_str(c.dtype),
                     str(c.bytes), _bytes_text(c.wire_bytes), c.partner or "-", c.rule,
                 ))
         return _aligned(rows, width) if len(rows) > 1 else "(no collectives in the compiled graphs)"
@@ -289,7 +289,7 @@ class CompileReport:
             if isinstance(g, DTensor) and partial_dims(g):
                 pending.append({
                     "parameter": name, "placements": layout_str(g.placements),
-                    "bytes": g.numel() * g.element_size(),
+                    "bytes": nbytes(g),
                 })
         return pending
 
