@@ -255,6 +255,53 @@ def collective_never_issued(d, rng):
     return "issued once"
 
 
+def _remove_collective(d, cid):
+    """Take a collective out of the file cleanly: its issue (or its bucket's share), its group order, its partner's link."""
+    from torch_hca.spmd.collective_kinds import Kind, bytes_per_rank
+
+    g = _graph(d)
+    c = next(c for c in g["collectives"] if c["id"] == cid)
+    g["collectives"].remove(c)
+    issue = next(i for i in g["issued"] if i["id"] == c["issued_as"])
+    issue["members"].remove(cid)
+    if issue["members"]:
+        issue["bytes"] -= c["bytes"]
+        issue["wire_bytes"] = bytes_per_rank(Kind(issue["kind"]), issue["bytes"], c["group_size"])
+    else:
+        g["issued"].remove(issue)
+        g["groups"][c["group"]][c["direction"]].remove(issue["id"])
+    for other in g["collectives"]:
+        if other["partner"] == cid:
+            other["partner"] = None
+    for m in g["moves"]:
+        for step in m["steps"]:
+            if step["collective"] is not None and any(o["id"] == step["collective"] and o["partner"] is None
+                                                      for o in g["collectives"]):
+                step["backward"] = None
+
+
+def dropped_gradient_reduction(d, rng):
+    """A replicated parameter's gradient reduction (eager role) deleted: n-times gradients."""
+    g = _graph(d)
+    eager = {n for n, v in g["values"].items() if v["kind"] == "parameter" and v.get("cotangent_role") == "eager"}
+    marks = {n for n, v in g["values"].items() if v["kind"] == "op" and len(v["reads"]) == 1 and v["reads"][0] in eager}
+    reductions = [c for c in g["collectives"] if c["direction"] == "backward" and c["origin"] in marks]
+    if not reductions:
+        return None
+    _remove_collective(d, rng.choice(reductions)["id"])
+    return "nothing owed is missing"
+
+
+def dropped_transpose(d, rng):
+    """The backward reduce_scatter of a weight gather deleted (and its pairing)."""
+    g = _graph(d)
+    owed = [c for c in g["collectives"] if c["direction"] == "backward" and c["kind"] == "reduce_scatter" and c["partner"]]
+    if not owed:
+        return None
+    _remove_collective(d, rng.choice(owed)["id"])
+    return "nothing owed is missing"
+
+
 def unknown_version(d, rng):
     d["version"] = 2
     return "schema version"
@@ -263,7 +310,7 @@ def unknown_version(d, rng):
 MUTATIONS = [dropped_reduction, partial_never_reduced, wrong_shard_dim, wrong_bytes, wrong_wire_bytes, wrong_move_kind,
              wrong_transpose_kind, backward_not_the_transpose, partner_of_another, backward_not_owed, swapped_order,
              stale_digest, wrong_participants, indivisible_shard, wrong_world_size, wrong_mesh_dim, wrong_move_source,
-             wrong_bucket_bytes, collective_never_issued, unknown_version]
+             wrong_bucket_bytes, collective_never_issued, dropped_gradient_reduction, dropped_transpose, unknown_version]
 SEEDS = (0, 1, 2)
 
 

@@ -282,6 +282,42 @@ def _owed(G: Graph, where: str, c: dict, kind: Kind, d: int) -> Iterator[Problem
                       f"one of {sorted(k.value for k in owed) or ['no collective']}")
 
 
+def _varies(G: Graph, name: str, d: int) -> bool:
+    """Whether the cotangent of replicated value `name` surely differs per rank on mesh dim `d`:
+    some reader writes a shard there (its cotangent comes back sharded, so this one is partial).
+    Readers that stay replicated are not followed: "not sure" never raises a problem."""
+    return any(name in v.get("reads", []) and (v.get("placements") or [""] * (d + 1))[d].startswith("S")
+               for v in G.values.values())
+
+
+def owed(G: Graph) -> Iterator[Problem]:
+    """Nothing owed is missing: a gathered value whose cotangent is surely partial has its backward
+    transpose (S -> R forward owes P -> S back), and an eager-role parameter replicated over a mesh dim
+    on which its gradient is surely partial has a cotangent reduction there."""
+    for node, m in G.moves.items():
+        for s in m.get("steps", []):
+            d = s.get("mesh_dim")
+            if s.get("kind") == "all_gather" and (m.get("dst") or [])[d] == "R" and _varies(G, node, d) \
+                    and s.get("backward") is None:
+                yield Problem(f"{G.where}, move {node!r} of {m.get('value')!r}, mesh dim {d}", "nothing owed is missing",
+                              "no backward collective", f"{RULES[Kind.ALL_GATHER].transpose.value}: its readers write "
+                              f"shards on mesh dim {d}, so its cotangent is partial")
+    origins = {(c.get("origin"), c.get("mesh_dim")) for c in G.collectives.values() if c.get("direction") == "backward"}
+    for name, p in G.values.items():
+        if p.get("kind") != "parameter" or p.get("cotangent_role") != "eager":
+            continue
+        # The parameter's read, and the eager-gradient reads the compiler marks with the same layout.
+        reads = [name] + [n for n, v in G.values.items() if v.get("reads") == [name] and v.get("kind") == "op"
+                          and v.get("placements") == p.get("placements")]
+        for d, placement in enumerate(p.get("placements") or []):
+            varying = [r for r in reads if _varies(G, r, d)]
+            if placement == "R" and varying and not any((r, d) in origins for r in reads):
+                yield Problem(f"{G.where}, value {name!r} (parameter {p.get('parameter')!r}), mesh dim {d}",
+                              "nothing owed is missing", "no gradient reduction in the backward",
+                              f"an all_reduce (eager role): {varying[0]!r} is read by an op that writes shards on "
+                              f"mesh dim {d}, so the gradient is partial")
+
+
 def issued(G: Graph) -> Iterator[Problem]:
     """What the program issues: each collective once, alone or in a bucket of its own kind and group."""
     seen: dict[str, str] = {}
@@ -328,4 +364,4 @@ def groups(G: Graph) -> Iterator[Problem]:
                               f"{program[first] if first < len(program) else 'nothing'} (the program's issue order)")
 
 
-GRAPH_RULES = (placements, parameters, partial_reduced, moves, collectives, issued, groups)
+GRAPH_RULES = (placements, parameters, partial_reduced, moves, collectives, owed, issued, groups)
