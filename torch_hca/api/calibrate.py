@@ -43,7 +43,7 @@ measured under it once decided the layouts of every later compile (18.7 GFLOP/s 
 against 70-85 quiet). So all of the above is one round, run `rounds` times (3), and each
 probe keeps its fastest round: load only slows a probe down, and each round's time is
 already a typical run, not a lucky one. Where a judged probe (`JUDGED`: the MLP step, the
-256-row matmul, the 4 MiB all_reduce, the copy) ran more than `max_spread` (30%) slower in
+256-row matmul, the 4 MiB all_reduce) ran more than `max_spread` (30%) slower in
 its slowest round than in its fastest, the figures are flagged noisy, with a warning. A
 load that lasts through every round is not seen this way; the compile log's "calibrated
 <when>" is the clue then. ``call_s`` and ``param_s`` are measured once, after the rounds.
@@ -259,8 +259,9 @@ PROBES = ("all_gather_4B", "all_reduce_4B", "all_reduce_64KiB", "all_reduce_512K
           "all_gather_4MiB", "reduce_scatter_4MiB", "mlp_step", "matmul_16_rows", "matmul_256_rows",
           "gather_after_compute", "steps_alone", "all_reduce_alone", "all_reduce_under_steps", "op", "copy_16MiB")
 # The probes whose spread makes a calibration noisy: the rates layouts turn on (compute, a large
-# transfer, memory). Small collectives and host times vary between rounds even on a quiet machine.
-JUDGED = ("mlp_step", "matmul_256_rows", "all_reduce_4MiB", "copy_16MiB")
+# transfer). Small collectives and host times vary between rounds even on a quiet machine, and so
+# does the 16 MiB copy on a VM (66% on this project's quiet 2-core VM, 2026-12-03): not judged.
+JUDGED = ("mlp_step", "matmul_256_rows", "all_reduce_4MiB")
 MAX_SPREAD = 0.3  # the slowest round of a judged probe 30% slower than its fastest: noisy
 
 
