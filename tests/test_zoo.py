@@ -250,7 +250,8 @@ def test_fsdp_gradients_reduce_scattered_on_gloo_run_as_all_reduces(worlds):
 @pytest.mark.parametrize("model_name,plan_name,world_size", [
     ("gpt2", "megatron", 2),
     # DTensor's own choice cannot compile here under strict (an implicit redistribution): tune
-    # notes it and times the other three.
+    # notes it. The solver's three (communication as calibrated, x4, x0.25) are one program here
+    # since the cost model counts attention's FLOPs: one candidate, kept without timing.
     ("llama", "fsdp", 2)])
 def test_tune_keeps_the_fastest_layout_and_it_trains_as_one_device(worlds, model_name, plan_name, world_size):
     """Option layout="tune" on zoo models: parity with one device (the first call's timing runs
@@ -264,9 +265,12 @@ def test_tune_keeps_the_fastest_layout_and_it_trains_as_one_device(worlds, model
     (tuning,) = first["tuning"]
     assert first["graphs"] == 1 and first["refinement"][0]  # the check ran on the kept program
     medians = {c["layout"]: c["median_s"] for c in tuning["candidates"]}
-    assert len(medians) >= 2 and all(m > 0 for m in medians.values()), tuning
     kept = next(c for c in tuning["candidates"] if c["graph"] == tuning["kept_graph"])
-    assert kept["median_s"] == min(medians.values())
+    if model_name == "llama":
+        assert list(medians.values()) == [None] and kept["layout"].startswith("solve = solve"), tuning
+    else:
+        assert len(medians) >= 2 and all(m > 0 for m in medians.values()), tuning
+        assert kept["median_s"] == min(medians.values())
     assert bool(tuning["failed"]) == (model_name == "llama"), tuning["failed"]
     # The ranks exchanged their medians and keep one program.
     assert all(r["tuning"] == first["tuning"] for r in results)
