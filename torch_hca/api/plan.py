@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_map
 from torch_hca.errors import MeshError, PlanError
 from torch_hca.spmd.placements import dtype_str
 from torch_hca.runtime.exchange import exchange, first_difference, needs_exchange
-from torch_hca.compiler.logical import Holder, ScaleGrad, call_logically, check_input_layout, mesh_id
+from torch_hca.compiler.logical import Holder, ScaleGrad, call_logically, check_input_layout, mesh_id, output_layout
 from torch_hca.compiler.parameters import register_sharded
 from torch_hca.compiler.rewrites import DTensorRewrites
 
@@ -71,8 +71,9 @@ class ShardingSpec:
     def to_local(self, y: Any) -> Any:
         if not isinstance(y, DTensor):
             return y
-        local = y.redistribute(self.mesh, self.outputs).to_local(grad_placements=self.outputs)
-        return local if self.grad_scale == 1.0 else ScaleGrad.apply(local, self.grad_scale)
+        layout, scale = output_layout(y, self.outputs, self.grad_scale)
+        local = y.redistribute(self.mesh, layout).to_local(grad_placements=layout)
+        return local if scale == 1.0 else ScaleGrad.apply(local, scale)
 
 
 def _distribute(module: nn.Module, spec: ShardingSpec) -> None:

@@ -233,5 +233,29 @@ def call_logically(module: torch.nn.Module, spec, args: tuple, kwargs: dict) -> 
     holder = module.__dict__["_hca_logical"]
     values = {f"inner.{name}": v for name, v in values.items()}
     out = torch.func.functional_call(holder, values, args, kwargs, tie_weights=False, strict=False)
-    layout = encode(spec.outputs)
-    return tree_map(lambda t: leave(t, layout, index, spec.grad_scale) if isinstance(t, torch.Tensor) else t, out)
+    return tree_map(lambda t: leave_output(t, spec, index) if isinstance(t, torch.Tensor) else t, out)
+
+
+def leave_output(t: torch.Tensor, spec, index: int) -> torch.Tensor:
+    """This rank's piece of one result of the forward, laid out as ``outputs=`` says."""
+    layout, scale = output_layout(t, spec.outputs, spec.grad_scale)
+    return leave(t, encode(layout), index, scale)
+
+
+def output_layout(t: torch.Tensor, outputs: Layout, grad_scale: float) -> tuple[Layout, float]:
+    """How one result of the forward leaves: ``outputs=`` and its cotangent scale.
+
+    A scalar (an HF model's ``loss`` beside its logits under ``outputs=Shard(0)``) has no dim to
+    cut: every rank gets it whole, the loss of the global batch as one device computes it, and
+    its cotangent is not scaled (each rank's backward of it is one device's backward). A result
+    with dims but too few for the placement is a `PlacementError`.
+    """
+    cut = [p for p in outputs if isinstance(p, Shard)]
+    if all(-t.dim() <= p.dim < t.dim() for p in cut):
+        return tuple(outputs), grad_scale
+    if t.dim() == 0:
+        return tuple(Replicate() for _ in outputs), 1.0
+    raise PlacementError(
+        f"hca.sharded: outputs={tuple(outputs)} cuts dim {cut[0].dim} of a forward result of shape "
+        f"{tuple(t.shape)}, which has {t.dim()} dims; give outputs= a placement this result can take "
+        "(Replicate() returns it whole) or return the result with that dim")
