@@ -43,7 +43,7 @@ measured under it once decided the layouts of every later compile (18.7 GFLOP/s 
 against 70-85 quiet). So all of the above is one round, run `rounds` times (3), and each
 probe keeps its fastest round: load only slows a probe down, and each round's time is
 already a typical run, not a lucky one. Where a judged probe (`JUDGED`: the MLP step, the
-256-row matmul, the 4 MiB all_reduce) ran more than `max_spread` (30%) slower in
+256-row matmul, the 4 MiB all_reduce) ran more than `max_spread` (50%) slower in
 its slowest round than in its fastest, the figures are flagged noisy, with a warning. A
 load that lasts through every round is not seen this way; the compile log's "calibrated
 <when>" is the clue then. ``call_s`` and ``param_s`` are measured once, after the rounds.
@@ -262,7 +262,9 @@ PROBES = ("all_gather_4B", "all_reduce_4B", "all_reduce_64KiB", "all_reduce_512K
 # transfer). Small collectives and host times vary between rounds even on a quiet machine, and so
 # does the 16 MiB copy on a VM (66% on this project's quiet 2-core VM, 2026-12-03): not judged.
 JUDGED = ("mlp_step", "matmul_256_rows", "all_reduce_4MiB")
-MAX_SPREAD = 0.3  # the slowest round of a judged probe 30% slower than its fastest: noisy
+# The slowest round of a judged probe 50% slower than its fastest: noisy. Quiet runs on this
+# project's 2-core VM spread up to 37% (mlp_step) and 32% (all_reduce_4MiB); loaded, 146%.
+MAX_SPREAD = 0.5
 
 
 def calibrate(repeats: int = 20, *, cache: bool = False, refresh: bool = False, rounds: int = 3,
@@ -271,7 +273,7 @@ def calibrate(repeats: int = 20, *, cache: bool = False, refresh: bool = False, 
 
     rounds: the measurement is repeated this many times and each probe keeps its fastest round
     (other work only slows a probe down); max_spread: a judged probe's slowest round this much
-    slower than its fastest (0.3: 30%) flags the figures noisy, with a warning.
+    slower than its fastest (0.5: 50%) flags the figures noisy, with a warning.
     cache: use the figures cached for this host, world size, backend and torch
     version, or measure and cache them; refresh: measure and cache even so. A noisy cached
     entry counts as none (measured again); a noisy measurement never replaces a quiet entry.
@@ -303,7 +305,7 @@ def _checked(repeats, rounds, max_spread) -> tuple[int, int, float]:
             raise HCAError(f"hca.calibrate: {name}={value!r}; give a positive int ({what})")
     if isinstance(max_spread, bool) or not isinstance(max_spread, (int, float)) or not max_spread > 0:
         raise HCAError(f"hca.calibrate: max_spread={max_spread!r}; give a number > 0 (default {MAX_SPREAD}: "
-                       "a round 30% slower than the fastest flags the figures noisy; math.inf: never)")
+                       "a round 50% slower than the fastest flags the figures noisy; math.inf: never)")
     if not dist.is_initialized():
         raise MeshError("hca.calibrate(): no process group; call hca.init_mesh() first (or run under hca.launch)")
     return repeats, rounds, float(max_spread)

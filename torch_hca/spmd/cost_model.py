@@ -260,7 +260,7 @@ class Calibration(dict):
     measured_at: when, in UTC (ISO 8601, to the second); noisy: whether the measurement's
     rounds disagreed beyond the threshold (other work shared the machine: the figures may be
     slow); spread: per probe of `hca.calibrate`, how much slower its slowest round ran than
-    its fastest (0.3: 30% slower).
+    its fastest (0.5: 50% slower).
     """
 
     def __init__(self, figures: Mapping[str, float], measured_at: str | None = None, noisy: bool = False,
