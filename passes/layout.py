@@ -69,7 +69,7 @@ def _value_meta(v: Any) -> dict[str, Any] | None:
 
 
 def _as_written_s(ops, costs, memory_weight: float) -> float:
-    return layout_solver.total_cost(ops, costs, layout_solver.as_written(ops, costs, memory_weight), memory_weight)
+    return layout_solver.total_cost(ops, costs, layout_solver.as_written(ops, memory_weight), memory_weight)
 
 
 class LayoutPass:

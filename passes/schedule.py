@@ -57,7 +57,7 @@ import torch.fx as fx
 from torch_hca._torch_private import copy_graph_module, group_size
 from torch_hca.spmd.collective_nodes import OPS, WAIT, node_group, payload_bytes
 from torch_hca.errors import CheckError
-from torch_hca.compiler.checks.schedule_check import ScheduleSummary, check_reorder
+from torch_hca.compiler.checks.schedule_check import check_reorder
 
 from .buckets import bucket_collectives
 from torch_hca.spmd.events import is_start, is_view, late_nodes, waits_of, written

@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime
 import importlib
 import json
-import logging
 import math
 import os
 import socket
@@ -20,6 +19,8 @@ import torch.distributed as dist
 
 import torch_hca as hca
 from torch_hca.spmd.cost_model import CACHE_FILE, Calibration, cache_dir, cached_calibration, store_calibration
+
+from compile_log import compile_log_lines
 
 FIGURES = {"launch_s": 2e-4, "alpha_s": 0.0, "bytes_per_s": 1.5e9, "flops_per_s": 9e10, "memory_bytes_per_s": 2e10, "sync_s": 1e-3,
            "op_s": 7e-6, "call_s": 5e-4, "param_s": 4e-5, "gather_bytes_per_s": 1.1e9, "scatter_bytes_per_s": 0.7e9,
@@ -153,48 +154,31 @@ def test_calibrate_follows_rank_zeros_cache(worlds, tmp_path):
 def compile_with_and_without_a_cache(root: str) -> tuple:
     """On a rank: the layout pass's cost model and its source, with no cache entry, then with one,
     then with the entry and an override."""
-    from torch.distributed.tensor import Shard
 
     from torch_hca.tools import zoo
 
     old = os.environ.get("TORCH_HCA_CACHE_DIR")
     os.environ["TORCH_HCA_CACHE_DIR"] = os.path.join(root, f"rank{dist.get_rank()}")
     seen = []
-    lines = _Lines()
-    log = logging.getLogger("torch_hca.backends.pipeline")
-    level = log.level
-    log.addHandler(lines)
-    log.setLevel(logging.INFO)
     try:
         hca.init_mesh()
         for options in ({}, {}, {"cost_model": {"flops_per_s": 1e12}}):
             if len(seen) == 1:
                 store_calibration(Calibration(FIGURES, AT))
             torch._dynamo.reset()
-            lines.seen.clear()
             model = hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP(16, 32))
             compiled = torch.compile(model, backend="hca", options=options)
-            compiled(torch.ones(4, 16)).sum().backward()  # the same replicated input on every rank
+            with compile_log_lines() as lines:
+                compiled(torch.ones(4, 16)).sum().backward()  # the same replicated input on every rank
             layout = hca.report(compiled).graphs[0].layout
-            seen.append((layout["cost_model"], layout["cost_model_source"], "\n".join(lines.seen)))
+            seen.append((layout["cost_model"], layout["cost_model_source"], "\n".join(lines)))
         return seen
     finally:
-        log.removeHandler(lines)
-        log.setLevel(level)
         torch._dynamo.reset()
         if old is None:
             del os.environ["TORCH_HCA_CACHE_DIR"]
         else:
             os.environ["TORCH_HCA_CACHE_DIR"] = old
-
-
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.seen = []
-
-    def emit(self, record):
-        self.seen.append(record.getMessage())
 
 
 def test_the_compiler_starts_from_this_hosts_cached_calibration(worlds, tmp_path):

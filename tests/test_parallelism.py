@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from torch.distributed.tensor import Shard
 
 import torch_hca as hca
 from torch_hca.tools import zoo
+
+from compile_log import compile_log_lines
 
 
 def _compiled(model, x, **options):
@@ -54,27 +54,10 @@ def test_replicated_compute_is_called_so(fake_pg):
     assert "0% of the compute split" in rep.parallelism()
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 def test_the_compile_log_says_it(fake_pg):
-    # A handler on the logger itself: other tests may turn propagation off (torch._logging.set_logs).
-    logger, records = logging.getLogger("torch_hca.backends.pipeline"), _Records()
-    level = logger.level
-    logger.addHandler(records)
-    logger.setLevel(logging.INFO)
-    try:
+    with compile_log_lines() as said:
         _compiled(hca.sharded({}, inputs=Shard(0), outputs=Shard(0))(zoo.DeepMLP(16, 2)), torch.randn(8, 16))
-    finally:
-        logger.removeHandler(records)
-        logger.setLevel(level)
-    (said,) = records.messages
+    (said,) = said
     assert ": data parallel: stored 4 parameters replicated" in said.replace("\n    ", " ")
     assert max(map(len, said.splitlines())) <= 124
 

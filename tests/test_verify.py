@@ -136,22 +136,22 @@ def wrong_wire_bytes(d, rng):
     return "wire bytes"
 
 
-def wrong_move_kind(d, rng):
+def _another_in_a_step(d, rng, field: str, wrong: str, else_wrong: str):
+    """One move step's `field` set to `wrong` (to `else_wrong` where it already was `wrong`)."""
     steps = _steps(d)
     if not steps:
-        return None
+        return False
     s = rng.choice(steps)
-    s["kind"] = "reduce_scatter" if s["kind"] != "reduce_scatter" else "all_gather"
-    return "move table"
+    s[field] = wrong if s[field] != wrong else else_wrong
+    return True
+
+
+def wrong_move_kind(d, rng):
+    return "move table" if _another_in_a_step(d, rng, "kind", "reduce_scatter", "all_gather") else None
 
 
 def wrong_transpose_kind(d, rng):
-    steps = _steps(d)
-    if not steps:
-        return None
-    s = rng.choice(steps)
-    s["transpose"] = "all_gather" if s["transpose"] != "all_gather" else "all_reduce"
-    return "transpose"
+    return "transpose" if _another_in_a_step(d, rng, "transpose", "all_gather", "all_reduce") else None
 
 
 def backward_not_the_transpose(d, rng):

@@ -58,3 +58,15 @@ def test_the_traced_program_families():
     assert torch_flops("view", [(8, 16)], 128) == 0.0
     assert torch_flops(torch.relu, [(8, 16)], 128) == 128.0
     assert torch.nn.functional.linear in TORCH_MATMULS and "reshape" in TORCH_VIEWS
+
+
+def test_layout_text_reads_back_what_layout_str_writes():
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from torch_hca.spmd.placements import layout_str, layout_texts, letter, text_letter
+
+    layout = (Shard(1), Replicate(), Partial())
+    texts = layout_texts(layout_str(layout))
+    assert texts == ["S(1)", "R", "P(sum)"]
+    assert [text_letter(t) for t in texts] == [letter(p) for p in layout]
+    assert layout_texts("-") is None and layout_texts(None) is None

@@ -69,7 +69,6 @@ fills the cache from local gloo ranks.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import math
 import statistics
 import time
@@ -325,28 +324,9 @@ def _rank0_cached() -> Calibration | None:
 
 def _broadcast(cal: Calibration | None) -> Calibration | None:
     """Rank 0's calibration, or its None, on every rank: figures, time, noise flag and spreads."""
-    flat = [0.0] * (3 + len(FIELDS) + len(PROBES))
-    if cal is not None:
-        stamp = datetime.datetime.fromisoformat(cal.measured_at).timestamp() if _iso(cal.measured_at) else math.nan
-        flat = [1.0, float(cal.noisy), stamp, *(cal[k] for k in FIELDS),
-                *(cal.spread.get(k, math.nan) for k in PROBES)]
-    t = torch.tensor(flat, dtype=torch.float64, device=_device())
-    dist.broadcast(t, src=0)
-    present, noisy, stamp, *rest = t.tolist()
-    if not present:
-        return None
-    measured_at = (datetime.datetime.fromtimestamp(stamp, datetime.timezone.utc).isoformat(timespec="seconds")
-                   if math.isfinite(stamp) else "?")
-    spread = {k: v for k, v in zip(PROBES, rest[len(FIELDS):]) if math.isfinite(v)}
-    return Calibration(dict(zip(FIELDS, rest[:len(FIELDS)])), measured_at, bool(noisy), spread)
-
-
-def _iso(text: str) -> bool:
-    try:
-        datetime.datetime.fromisoformat(text)
-        return True
-    except (TypeError, ValueError):
-        return False
+    box = [cal]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 class _Probes:

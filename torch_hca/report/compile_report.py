@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from torch_hca.errors import HCAError
 from torch_hca.spmd.cost_model import CostModel

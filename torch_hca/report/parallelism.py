@@ -12,11 +12,10 @@ is known when the graph compiles, before any step runs.
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
 from typing import Any
 
-_PLACEMENT = re.compile(r"S\(-?\d+\)|R|P\([a-z]+\)|_StridedShard[^,)]*")
+from torch_hca.spmd.placements import layout_texts, text_letter
 
 # A move on one mesh dimension, by its source and destination letters.
 _MOVE_NAMES = {("S", "R"): "gather", ("P", "R"): "sum", ("P", "S"): "reduce-scatter", ("S", "S"): "all-to-all",
@@ -27,27 +26,25 @@ _MOVE_NAMES = {("S", "R"): "gather", ("P", "R"): "sum", ("P", "S"): "reduce-scat
 _INPUT_WHY = ("graph input", "made from a local tensor")
 
 
-def placements(layout: str) -> list[str]:
-    """``"(S(0), R)"`` -> ``["S(0)", "R"]``."""
-    return _PLACEMENT.findall(layout or "")
+def placements(layout: str | None) -> list[str]:
+    """``"(S(0), R)"`` -> ``["S(0)", "R"]``; none for no layout."""
+    return layout_texts(layout) or []
 
 
 def _letter(p: str) -> str:
-    return p[0] if p[:1] in "SRP" else "S"
+    """S, R or P."""
+    return text_letter(p)[0]
 
 
-def _is_parameter(value: str) -> bool:
-    return "parameters_" in value or value.startswith("l_self_") and "_buffers_" not in value
-
-
-def _moves(redistributions: list[Any]) -> Counter:
-    """(what, of parameters or activations) -> count, over every mesh dimension of every move."""
+def _moves(redistributions: list[Any], parameters: set[str]) -> Counter:
+    """(what, of parameters or activations) -> count, over every mesh dimension of every move;
+    `parameters`: the graph inputs that are parameters."""
     moves: Counter = Counter()
     for r in redistributions:
         for a, b in zip(placements(r.src), placements(r.dst)):
             if a != b:
                 what = _MOVE_NAMES.get((_letter(a), _letter(b)), f"{a}->{b}")
-                moves[what, "weight" if _is_parameter(r.value) else "activation"] += 1
+                moves[what, "weight" if r.value in parameters else "activation"] += 1
     return moves
 
 
@@ -99,7 +96,7 @@ def sentence(g: Any) -> str:
     inputs = sorted({r["placement"] for r in lay.get("values", []) if r.get("why") in _INPUT_WHY})
     if inputs:
         stored += f", inputs {' '.join(inputs)}"
-    moves = _moves(g.redistributions)
+    moves = _moves(g.redistributions, {info["graph_input"] for info in g.parameters.values()})
     share = _split_share(lay.get("values", []))
     moved = ", ".join(f"{v} {what} of {of}s" for (what, of), v in sorted(moves.items())) or "none"
     parts = [f"graph {g.index}: {_label(sharded, share, moves)}: stored {stored}"]

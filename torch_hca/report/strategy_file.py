@@ -27,8 +27,8 @@ from torch_hca._torch_private import group_size, origin_of
 from torch_hca.compiler import dtensor_ops
 from torch_hca.errors import StrategyError
 from torch_hca.spmd.collective_kinds import RULES, Kind, bytes_per_rank, move_kind
-from torch_hca.spmd.collective_nodes import OPS, node_group, node_kind, node_payload
-from torch_hca.spmd.placements import layout_str
+from torch_hca.spmd.collective_nodes import OPS, node_group, node_kind, node_payload, payload_bytes
+from torch_hca.spmd.placements import dtype_str, layout_str, layout_texts, text_letter
 
 SCHEMA = "torch_hca.strategy"
 VERSION = 1
@@ -80,14 +80,6 @@ def graph_facts(gm: fx.GraphModule, mesh) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- writing
 
 
-def placements_list(text: str | None) -> list[str] | None:
-    """``"(S(0), R)"`` (layout_str) -> ``["S(0)", "R"]``."""
-    if text is None or text == "-":
-        return None
-    inner = text.strip()[1:-1].strip()
-    return [p.strip() for p in inner.split(", ")] if inner else []
-
-
 def parse_placement(text: str) -> Placement:
     m = re.fullmatch(r"S\((\d+)\)|R|P\((\w+)\)", text.strip())
     if m is None:
@@ -95,10 +87,6 @@ def parse_placement(text: str) -> Placement:
     if text == "R":
         return Replicate()
     return Shard(int(m.group(1))) if m.group(1) is not None else Partial(m.group(2))
-
-
-def _letter(text: str) -> str:
-    return "R" if text == "R" else ("P" if text.startswith("P") else "S" + text[2:-1])
 
 
 def dim_groups(ranks: Any, dim: int) -> list[list[int]]:
@@ -114,7 +102,7 @@ def _move_steps(src: list[str], dst: list[str], shape: list[int], dtype: str, me
     for d, (a, b) in enumerate(zip(src, dst)):
         if a == b:
             continue
-        kind = move_kind(_letter(a), _letter(b))
+        kind = move_kind(text_letter(a), text_letter(b))
         # The payload: the value's buffer on one rank of this dim's group (other dims' shards cut it);
         # all_to_all moves this rank's own shard (collective_kinds' convention).
         local = math.prod(shape) * element
@@ -136,11 +124,11 @@ def _value_entry(node: fx.Node, kind: str) -> dict | None:
     meta = node.meta.get("hca_layout")
     v = node.meta.get("example_value")
     if meta is None and isinstance(v, DTensor):
-        meta = {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", ""), "placements": layout_str(v.placements)}
+        meta = {"shape": list(v.shape), "dtype": dtype_str(v.dtype), "placements": layout_str(v.placements)}
     if meta is None:
         return None
     return {"kind": kind, "op": _target(node) if node.op != "placeholder" else "placeholder",
-            "shape": list(meta["shape"]), "dtype": meta["dtype"], "placements": placements_list(meta["placements"]),
+            "shape": list(meta["shape"]), "dtype": meta["dtype"], "placements": layout_texts(meta["placements"]),
             "reads": []}
 
 
@@ -175,11 +163,11 @@ def _graph_entry(g: Any, mesh: dict) -> dict:
         readers = [u.name for u in node.users] if node is not None else []
         value = values.get(r.value) or values.get(r.node) or {}
         moves.append({
-            "node": r.node, "value": r.value, "src": placements_list(r.src), "dst": placements_list(r.dst),
+            "node": r.node, "value": r.value, "src": layout_texts(r.src), "dst": layout_texts(r.dst),
             "origin": "solver" if SOLVER_REASON in r.reason else (
                 "program" if r.reason == "explicit in the program" else "dtensor"),
             "readers": readers,
-            "steps": _move_steps(placements_list(r.src), placements_list(r.dst), value.get("shape", []),
+            "steps": _move_steps(layout_texts(r.src), layout_texts(r.dst), value.get("shape", []),
                                  value.get("dtype", "float32"), mesh),
         })
     _link(moves, collectives)
@@ -233,7 +221,7 @@ def _collectives(g: Any, facts: dict, issued: list[dict]) -> list[dict]:
         if node.op != "call_function" or node.target not in OPS or node.name not in direction:
             continue
         vals = node_payload(node)
-        payload = sum(v.numel() * v.element_size() for v in vals)
+        payload = payload_bytes(node)
         group, which = node_group(node), direction[node.name]
         n = group_size(group)
         partner = node.meta.get(PARTNER_TAG)
@@ -241,7 +229,7 @@ def _collectives(g: Any, facts: dict, issued: list[dict]) -> list[dict]:
         out.append({
             "id": f"{which}:{node.name}", "direction": which, "kind": node_kind(node).value, "group": group,
             "mesh_dim": facts.get("groups", {}).get(group), "group_size": n, "bytes": payload,
-            "wire_bytes": bytes_per_rank(node_kind(node), payload, n), "dtype": str(vals[0].dtype).replace("torch.", ""),
+            "wire_bytes": bytes_per_rank(node_kind(node), payload, n), "dtype": dtype_str(vals[0].dtype),
             "shape": list(vals[0].shape), "origin": origin_of(node),
             "partner": f"{other}:{partner}" if isinstance(partner, str) and "," not in partner else None,
             "issued_as": issued_as[f"{which}:{node.name}"],
@@ -286,7 +274,7 @@ def build(rep: Any) -> dict:
     parameters = {}
     for g in graphs:
         for name, p in g.parameters.items():
-            parameters[name] = {"shape": p["shape"], "dtype": p["dtype"], "placements": placements_list(p["placements"])}
+            parameters[name] = {"shape": p["shape"], "dtype": p["dtype"], "placements": layout_texts(p["placements"])}
     model = {"graph_digests": [g.layout["strategy_facts"]["logical_digest"] for g in graphs],
              "parameters": dict(sorted(parameters.items()))}
     model["digest"] = model_digest(model)
@@ -372,7 +360,7 @@ def match_graph(data: dict, facts: dict, mesh_shape: list[int], parameters: dict
     for name, p in parameters.items():
         if name not in known:
             raise differ("model", "no parameter " + repr(name), f"parameter {name!r} {p['shape']}")
-        mine = {"shape": p["shape"], "dtype": p["dtype"], "placements": placements_list(p["placements"])}
+        mine = {"shape": p["shape"], "dtype": p["dtype"], "placements": layout_texts(p["placements"])}
         for key in ("shape", "dtype", "placements"):
             if known[name][key] != mine[key]:
                 raise differ("model", f"parameter {name!r} {key} {known[name][key]}", f"{mine[key]}")
@@ -397,11 +385,11 @@ def check_replayed(entry: dict, values: dict[str, dict], redistributions: list, 
         if said is None:
             raise StrategyError(f"strategy file: {graph}: value {name!r} {meta['placements']} is not in the file "
                                 "(the file does not lay this program out)")
-        here = placements_list(meta["placements"])
+        here = layout_texts(meta["placements"])
         if said["placements"] != here:
             raise StrategyError(f"strategy file: {graph}: value {name!r} is {said['placements']} in the file, "
                                 f"{here} after replaying its moves (hand-edited, or another torch)")
-    mine = [(r.node, r.value, placements_list(r.src), placements_list(r.dst)) for r in redistributions]
+    mine = [(r.node, r.value, layout_texts(r.src), layout_texts(r.dst)) for r in redistributions]
     theirs = [(m["node"], m["value"], m["src"], m["dst"]) for m in entry["moves"]]
     if mine != theirs:
         first = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))

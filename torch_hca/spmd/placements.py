@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 
@@ -20,6 +22,27 @@ def layout_str(layout) -> str:
     if layout is None:
         return "-"
     return "(" + ", ".join(placement_str(p) for p in layout) + ")"
+
+
+# One placement as `placement_str` writes it (a _StridedShard as its repr).
+_PLACEMENT_TEXT = re.compile(r"S\(-?\d+\)|R|P\(\w+\)|_StridedShard\([^)]*\)")
+
+
+def layout_texts(text: str | None) -> list[str] | None:
+    """The inverse of `layout_str`: ``"(S(0), R)"`` -> ``["S(0)", "R"]``; None for ``-`` or None."""
+    if text is None or text == "-":
+        return None
+    return _PLACEMENT_TEXT.findall(text)
+
+
+def text_letter(text: str) -> str:
+    """A placement's text as the move table reads it (`letter`): ``R``, ``P`` or ``S<d>``."""
+    if text == "R":
+        return "R"
+    if text.startswith("P"):
+        return "P"
+    dim = re.search(r"-?\d+", text)
+    return f"S{dim[0]}" if dim else "S"
 
 
 def dtype_str(dtype) -> str:

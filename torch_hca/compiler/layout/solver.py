@@ -389,7 +389,7 @@ def greedy(ops: list[Op], costs: Costs, memory_weight: float) -> dict[fx.Node, S
     return choice
 
 
-def as_written(ops: list[Op], costs: Costs, memory_weight: float) -> dict[fx.Node, Strategy]:
+def as_written(ops: list[Op], memory_weight: float) -> dict[fx.Node, Strategy]:
     """The program as the user wrote it: each op in graph order reads its inputs as their producers
     wrote them wherever a strategy allows (what DTensor does on its own: no move where its rules
     run the op), the cheapest of those; an op no strategy runs so takes its cheapest."""
