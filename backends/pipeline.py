@@ -37,6 +37,8 @@ from torch_hca.compiler.lifting import dtensor_failure
 from torch_hca.compiler.randomness import generators_kept, without_dead_draws
 from torch_hca.compiler.checks.spmd_check import check_same_collectives
 from torch_hca.compiler.checks.refinement import check_refinement
+from torch_hca.compiler.checks.uneven import (check_forward_collectives, check_sizes_only_shape, drop_whole_slices,
+                                             uneven_options, uneven_shares)
 from torch_hca.report.compile_report import CollectiveRecord, CompileReport, GraphReport, new_graph_report, next_graph_index
 from torch_hca.spmd.placements import dtype_str, layout_str
 from torch_hca.report.parallelism import sentence
@@ -93,6 +95,11 @@ def _figures(report: GraphReport) -> str:
 
 def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Options) -> Callable:
     agreement = InputAgreement(gm, f"graph {next_graph_index()}", options.input_check)
+    uneven = uneven_shares(gm)
+    if uneven is not None:  # cut by shares: see torch_hca.compiler.checks.uneven
+        check_sizes_only_shape(gm)
+        drop_whole_slices(gm)
+        asked_check, options = options.check, uneven_options(options)
     logical = _copy(gm) if options.check else None
     if options.layout == "tune":
         device_type = _device_type(gm)
@@ -102,6 +109,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
         agreement.draws = candidates[0].report.random_draws if candidates else []
     else:
         report = new_graph_report(options)
+        if uneven is not None:
+            report.uneven = uneven
+            if asked_check:
+                report.refinement_skipped = "uneven shares: no rank traced the whole's sizes (docs/heterogeneous.md)"
         ctx, gm = lay_out(gm, example_inputs, report)
         agreement.draws = report.random_draws
         if log.isEnabledFor(logging.INFO):
@@ -185,6 +196,8 @@ def lower(gm: fx.GraphModule, example_inputs: list[Any], ctx: PassContext) -> Ca
         return forward, without_dead_draws(backward, f"graph {report.index}")
 
     def forward_compiler(fw: fx.GraphModule, inputs):
+        if report.uneven is not None:
+            check_forward_collectives(fw, report.uneven)
         report.forward = run_pass(SchedulePass("forward"), fw, ctx)
         _record_collectives(report, fw, "forward")
         compiled = emit(report.forward, inputs, options.inner)

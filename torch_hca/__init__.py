@@ -1,6 +1,8 @@
 """torch_hca: a torch.compile backend for sharded training with derived, checked collectives."""
 
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate
+
+from torch_hca.spmd.shares import Shard
 
 from .errors import (
     CheckError,

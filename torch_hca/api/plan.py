@@ -17,6 +17,7 @@ from __future__ import annotations
 import copyreg
 import dataclasses
 import functools
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,16 +27,18 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from torch_hca.errors import MeshError, PlanError
 from torch_hca.spmd.placements import dtype_str
+from torch_hca.spmd.shares import even, uneven_dims
 from torch_hca.runtime.exchange import exchange, first_difference, needs_exchange
 from torch_hca.compiler.logical import Holder, ScaleGrad, call_logically, check_input_layout, mesh_id, output_layout
 from torch_hca.compiler.parameters import register_sharded
 from torch_hca.compiler.rewrites import DTensorRewrites
 
-from torch_hca.compiler.plan_layouts import Layout, grad_scale, io_layout, io_layouts, resolve_mesh, resolve_plan, resolve_roles
+from torch_hca.compiler.plan_layouts import (Layout, check_uneven, grad_scale, io_layout, io_layouts, resolve_mesh, resolve_plan,
+                                            resolve_roles, share_weight)
 
 @dataclass(frozen=True)
 class ShardingSpec:
@@ -49,6 +52,10 @@ class ShardingSpec:
     grad_roles: Mapping[str, str]
     mesh_index: int = 0  # the mesh's index for torch_hca.compiler.logical's marker ops
     grad_scale: float = 1.0  # times each result's cotangent: 1/n under loss_reduction="mean"
+    # Times the cotangent of each result cut by shares, outside the graph (it differs by rank):
+    # this rank's share of the rows under loss_reduction="mean" (torch_hca.spmd.shares.weight).
+    share_weight: float = 1.0
+    uneven: bool = False  # some argument is cut by shares (hca.Shard(d, shares=...))
 
     def input_layout(self, index: int | None) -> Layout | None:
         if not self.per_argument:
@@ -66,14 +73,19 @@ class ShardingSpec:
         check_input_layout(x, layout, f"forward argument {index}", self.mesh)
         if isinstance(x, DTensor):
             return x
-        return DTensor.from_local(x, self.mesh, layout, run_check=False)
+        return DTensor.from_local(x, self.mesh, even(layout), run_check=False)
 
     def to_local(self, y: Any) -> Any:
         if not isinstance(y, DTensor):
             return y
         layout, scale = output_layout(y, self.outputs, self.grad_scale)
-        local = y.redistribute(self.mesh, layout).to_local(grad_placements=layout)
+        local = y.redistribute(self.mesh, even(layout)).to_local(grad_placements=even(layout))
+        scale *= self.weight_of(layout)
         return local if scale == 1.0 else ScaleGrad.apply(local, scale)
+
+    def weight_of(self, layout: Layout) -> float:
+        """This rank's `share_weight` for a result leaving in `layout` (1 if not cut by shares)."""
+        return self.share_weight if uneven_dims(layout) else 1.0
 
 
 def _distribute(module: nn.Module, spec: ShardingSpec) -> None:
@@ -129,6 +141,8 @@ def _wrap_forward(forward):
         if spec is None:  # a subclass the decorator did not shard
             return forward(self, *args, **kwargs)
         if torch.compiler.is_compiling() and not self.__dict__.get("_hca_dtensor_trace"):
+            if spec.uneven:
+                return _call_uneven(self, spec, args, kwargs)
             # Dynamo traces the single-device program; the backend places it (docs/theory.md, section 1).
             return call_logically(self, spec, args, kwargs)
         args = tuple(tree_map(lambda t, i=i: spec.to_dtensor(t, i), a) for i, a in enumerate(args))
@@ -142,6 +156,55 @@ def _wrap_forward(forward):
 
     sharded_forward._hca_wrapped = True
     return sharded_forward
+
+
+@torch._dynamo.disable(recursive=False)
+def _call_uneven(module: nn.Module, spec: ShardingSpec, args: tuple, kwargs: dict) -> Any:
+    """The compiled call of a module whose arguments are cut by shares (torch_hca.compiler.checks.uneven).
+
+    Run outside Dynamo's trace, and only this frame: Dynamo compiles the frames it calls, so
+    the two around `_traced_call` are disabled whole. Each uneven dimension is marked
+    dynamic, so that every rank, whatever its rows, traces one program; each result's
+    cotangent is weighted by this rank's share, which differs by rank and so stays out of it.
+    """
+    _mark_uneven(spec, args, kwargs)
+    traced = module.__dict__.get("_hca_traced_call")
+    if traced is None:
+        # A code object of its own per module: Dynamo keys its cache by code object, and a frame
+        # shared by modules would turn the ints they differ by (the mesh's index) symbolic.
+        code = _traced_call.__code__.replace(co_name=f"_traced_call_{len(_TRACED_CALLS)}")
+        traced = module.__dict__["_hca_traced_call"] = types.FunctionType(code, _traced_call.__globals__)
+        _TRACED_CALLS.append(code.co_name)
+    return _weighted(spec, traced(module, spec, args, kwargs))
+
+
+_TRACED_CALLS: list[str] = []
+
+
+def _traced_call(module: nn.Module, spec: ShardingSpec, args: tuple, kwargs: dict) -> Any:
+    return call_logically(module, spec, args, kwargs)
+
+
+@torch._dynamo.disable
+def _mark_uneven(spec: ShardingSpec, args: tuple, kwargs: dict) -> None:
+    pieces = [(a, spec.input_layout(i)) for i, a in enumerate(args)] + [(v, spec.input_layout(None)) for v in kwargs.values()]
+    for value, layout in pieces:
+        for t in tree_leaves(value):
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                for _, p in uneven_dims(layout):
+                    # maybe_: a piece of one row stays static (Dynamo specializes sizes 0 and 1).
+                    torch._dynamo.maybe_mark_dynamic(t, p.dim % t.dim())
+
+
+@torch._dynamo.disable
+def _weighted(spec: ShardingSpec, out: Any) -> Any:
+    """The results, each cut by shares with its cotangent times this rank's `share_weight`."""
+    def weighted(t):
+        if not isinstance(t, torch.Tensor) or not t.requires_grad:
+            return t
+        scale = spec.weight_of(output_layout(t, spec.outputs, 1.0)[0])
+        return t if scale == 1.0 else ScaleGrad.apply(t, scale)
+    return tree_map(weighted, out)
 
 
 def trace_over_dtensor(module: nn.Module) -> nn.Module:
@@ -158,7 +221,7 @@ def trace_over_dtensor(module: nn.Module) -> nn.Module:
 def _plan_lines(module: nn.Module, spec: ShardingSpec) -> list[str]:
     """The resolved plan as text, one line per parameter: what every rank must hold alike."""
     lines = [f"mesh {tuple(spec.mesh.shape)} {spec.mesh.mesh_dim_names}",
-             f"inputs {spec.inputs}", f"outputs {spec.outputs} grad_scale {spec.grad_scale}"]
+             f"inputs {spec.inputs!r}", f"outputs {spec.outputs!r} grad_scale {spec.grad_scale}"]
     for name, p in module.named_parameters():
         lines.append(f"parameter {name!r} {tuple(p.shape)} {dtype_str(p.dtype)} "
                      f"{spec.params[name]} {spec.grad_roles[name]}")
@@ -191,15 +254,19 @@ def _shard_instance(module: nn.Module, plan, mesh, inputs, outputs, grad_reducti
     mesh = resolve_mesh(mesh)
     in_layouts, per_argument = io_layouts(inputs, mesh)
     out_layout = io_layout(outputs, mesh, "outputs")
+    params = resolve_plan(module, plan, mesh)
+    uneven = check_uneven(in_layouts if per_argument else (in_layouts,), out_layout, params)
     spec = ShardingSpec(
         mesh=mesh,
-        params=resolve_plan(module, plan, mesh),
+        params=params,
         inputs=in_layouts,
         outputs=out_layout,
         per_argument=per_argument,
         grad_roles=resolve_roles(module, grad_reduction),
         mesh_index=mesh_id(mesh),
         grad_scale=grad_scale(loss_reduction, mesh, out_layout),
+        share_weight=share_weight(loss_reduction, mesh, out_layout),
+        uneven=uneven,
     )
     _check_same_plan(module, spec)
     _distribute(module, spec)
@@ -304,6 +371,7 @@ def _reduce_sharded(module: nn.Module) -> tuple:
     made = cls.__dict__.get("_hca_made", False)
     state = module.__getstate__()
     state.pop("_hca_logical", None)
+    state.pop("_hca_traced_call", None)
     return _new_sharded, (cls.__bases__[0] if made else cls, made, spec.mesh.size()), state
 
 

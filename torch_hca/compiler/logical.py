@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_map
 
 from torch_hca.errors import PlacementError
 from torch_hca.spmd.placements import letter
+from torch_hca.spmd.shares import read_share_text, share_text
 
 Layout = tuple[Placement, ...]
 
@@ -49,12 +50,21 @@ def mesh_of(index: int) -> DeviceMesh:
 
 
 def encode(layout: Layout) -> str:
-    """``(Shard(0), Replicate())`` -> ``"S0,R"``: a layout as a custom op argument."""
-    return ",".join(letter(p) for p in layout)
+    """``(Shard(0), Replicate())`` -> ``"S0,R"``: a layout as a custom op argument
+    (an uneven shard's shares after a slash: ``"S0/1:3,R"``)."""
+    return ",".join(letter(p) + share_text(p) for p in layout)
 
 
 def decode(text: str) -> Layout:
-    return tuple(Shard(int(t[1:])) if t.startswith("S") else Partial() if t == "P" else Replicate() for t in text.split(","))
+    """The layout DTensor runs: an uneven shard as the even ``Shard`` of its rank's own rows
+    (`decode_shares` keeps the shares)."""
+    letters = [read_share_text(t)[0] for t in text.split(",")]
+    return tuple(Shard(int(t[1:])) if t.startswith("S") else Partial() if t == "P" else Replicate() for t in letters)
+
+
+def decode_shares(text: str) -> tuple[tuple[int, ...] | None, ...]:
+    """Per mesh dim, the shares of an uneven shard in marker text (None: even or not a shard)."""
+    return tuple(read_share_text(t)[1] for t in text.split(","))
 
 
 def contiguous_stride(shape) -> tuple:
@@ -191,8 +201,8 @@ def enter_local(x: Any, layout: Layout | None, mesh: DeviceMesh, index: int, wha
     check_input_layout(x, layout, what, mesh)
     if isinstance(x, DTensor):
         return enter(x.to_local(), encode(tuple(x.placements)), list(x.shape), index)
-    layout = tuple(Shard(p.dim % x.dim()) if isinstance(p, Shard) else p for p in layout)
-    return enter(x, encode(layout), global_shape(x.shape, layout, mesh.shape), index)
+    text = ",".join(f"S{p.dim % x.dim()}{share_text(p)}" if isinstance(p, Shard) else letter(p) for p in layout)
+    return enter(x, text, global_shape(x.shape, layout, mesh.shape), index)
 
 
 class Holder(torch.nn.Module):

@@ -16,8 +16,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from torch_hca.errors import MeshError, PlacementError, PlanError
+from torch_hca.errors import MeshError, PlacementError, PlanError, UnsupportedError
 from torch_hca.runtime.mesh import current_mesh
+from torch_hca.spmd.shares import UnevenShard, check_mesh_fit, uneven_dims, weight
 
 Layout = tuple[Placement, ...]
 
@@ -141,6 +142,7 @@ def io_layouts(inputs: Any, mesh: DeviceMesh) -> tuple[Any, bool]:
 
 def io_layout(value: Any, mesh: DeviceMesh, what: str) -> Layout:
     layout = layout_of(value, mesh, f"hca.sharded {what}")
+    check_mesh_fit(layout, tuple(mesh.shape), f"hca.sharded {what}")
     if any(isinstance(p, Partial) for p in layout):
         raise PlacementError(
             f"hca.sharded {what}: Partial() is not supported for forward arguments or results; "
@@ -183,6 +185,50 @@ def grad_scale(loss_reduction: Any, mesh: DeviceMesh, outputs: Layout) -> float:
         return 1.0
     pieces = 1
     for mesh_dim, p in enumerate(outputs):
-        if isinstance(p, Shard):
+        if isinstance(p, Shard) and not isinstance(p, UnevenShard):  # shares: `share_weight`
             pieces *= mesh.size(mesh_dim)
     return 1.0 / pieces
+
+
+def share_weight(loss_reduction: str, mesh: DeviceMesh, outputs: Layout) -> float:
+    """Under "mean", this rank's share of the rows of a result cut by shares (1 for "sum" or none)."""
+    uneven = uneven_dims(outputs)
+    if loss_reduction != "mean" or not uneven:
+        return 1.0
+    mesh_dim, p = uneven[0]
+    return weight(p.shares, mesh.get_coordinate()[mesh_dim])
+
+
+def check_uneven(inputs: tuple[Layout | None, ...], outputs: Layout, params: Mapping[str, Layout]) -> bool:
+    """Whether the forward arguments are cut by shares, once shares that cannot run are refused by name.
+
+    One set of shares on one mesh dim; results cut on that mesh dim carry the same shares (the
+    pieces of a result are the rows of the arguments'); parameters are not cut there (uneven
+    parameter storage is not supported yet).
+    """
+    cuts = {(d, p.shares) for layout in inputs if layout is not None for d, p in uneven_dims(layout)}
+    out_cuts = {(d, p.shares) for d, p in uneven_dims(outputs)}
+    if not cuts:
+        if out_cuts:
+            raise PlanError(
+                f"hca.sharded: outputs={outputs!r} are cut by shares but no input is; the pieces of a result "
+                "are the rows of the inputs': give inputs= the same shares"
+            )
+        return False
+    if len(cuts) > 1:
+        raise PlanError(f"hca.sharded: inputs are cut by different shares {sorted(cuts)}; use one set of shares")
+    (mesh_dim, shares), = cuts
+    out = outputs[mesh_dim]
+    if isinstance(out, Shard) and (mesh_dim, getattr(out, "shares", None)) not in cuts:
+        raise PlanError(
+            f"hca.sharded: inputs are cut by shares {shares} on mesh dim {mesh_dim} but outputs={outputs!r} cut it "
+            f"evenly; the results' pieces follow the inputs' rows: write outputs=Shard({out.dim}, shares={shares})"
+        )
+    for name, layout in params.items():
+        if isinstance(layout[mesh_dim], Shard):
+            raise UnsupportedError(
+                f"hca.sharded: parameter {name!r} is stored {layout} over mesh dim {mesh_dim}, which the inputs cut "
+                f"by shares {shares}; uneven shares run data parallel only so far (parameters replicated over the "
+                "uneven dim): store it Replicate() there, or put the shares on another mesh dim"
+            )
+    return True

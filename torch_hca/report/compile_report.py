@@ -163,6 +163,8 @@ class GraphReport:
     run_replicated: list[str] = field(default_factory=list)  # ops DTensor has no rule for (lift pass)
     random_draws: list[str] = field(default_factory=list)  # "node: aten op" drawing random numbers (lift pass)
     refinement: dict[str, float] | None = None  # option check: relative error of each output and gradient
+    refinement_skipped: str | None = None  # option check asked for, and why it did not run
+    uneven: Any = None  # the shares the inputs are cut by (torch_hca.compiler.checks.uneven.UnevenShares)
     parameters: dict[str, dict[str, Any]] = field(default_factory=dict)
     values: dict[str, dict[str, Any]] = field(default_factory=dict)
     passes: list[PassRecord] = field(default_factory=list)

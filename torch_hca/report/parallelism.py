@@ -100,6 +100,10 @@ def sentence(g: Any) -> str:
     share = _split_share(lay.get("values", []))
     moved = ", ".join(f"{v} {what} of {of}s" for (what, of), v in sorted(moves.items())) or "none"
     parts = [f"graph {g.index}: {_label(sharded, share, moves)}: stored {stored}"]
+    if g.uneven is not None:
+        u = g.uneven
+        parts.append(f"batch cut by shares {u.text} over mesh dim {u.mesh_dim}, this rank {u.shares[u.coordinate]}/"
+                     f"{sum(u.shares)} of the rows")
     if share is not None:
         parts.append(f"{share:.0%} of the compute split over {ranks} ranks")
         if not sharded and share > 0 and g.parameters:

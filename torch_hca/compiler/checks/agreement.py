@@ -9,7 +9,8 @@ each rank posts, through `torch_hca.runtime.exchange`:
 * the graph's program digest (its code and constants; Dynamo bakes Python
   scalars and branches into it), compared with every rank;
 * each tensor input's local shape and dtype, compared with every rank (shards
-  are even, so every rank holds the same local shape);
+  are even, so every rank holds the same local shape; an input cut by shares,
+  ``hca.Shard(d, shares=...)``, holds rows in proportion to them);
 * a digest of each input's bytes, compared with the ranks that must hold the
   same piece: all of them for a ``Replicate()`` input, a buffer or a Python
   scalar Dynamo passes as an input; for a sharded input, the ranks at the same
@@ -44,7 +45,8 @@ from torch_hca.errors import CheckError
 from torch_hca.spmd.placements import dtype_str
 from torch_hca.runtime.exchange import needs_exchange, post
 from torch_hca.compiler.randomness import generator_digest
-from torch_hca.compiler.logical import ENTER, decode, mesh_of
+from torch_hca.compiler.logical import ENTER, decode, decode_shares, mesh_of
+from torch_hca.spmd.shares import rows_agree, smallest_whole
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,9 @@ class Input:
     index: int  # its position in the graph's arguments
     name: str  # where the user's program took it from
     sharded_dims: tuple[int, ...]  # mesh dimensions it is split over: peers there hold other pieces
+    # Cut by shares (torch_hca.spmd.shares): (mesh dim, tensor dim, shares); its pieces' rows are in
+    # proportion to the shares rather than equal.
+    uneven: tuple[int, int, tuple[int, ...]] | None = None
 
     def describe(self) -> str:
         return self.name if not self.sharded_dims else f"{self.name} (sharded over mesh dims {list(self.sharded_dims)})"
@@ -79,8 +84,9 @@ def graph_inputs(gm: fx.GraphModule) -> tuple[list[Input], Any]:
         name = graph_arg_source(node)
         enters = [u for u in node.users if u.target is ENTER]
         if enters:
-            layout = decode(enters[0].args[1])
-            inputs.append(Input(index, name, tuple(d for d, p in enumerate(layout) if p.is_shard())))
+            layout, shares = decode(enters[0].args[1]), decode_shares(enters[0].args[1])
+            uneven = next(((d, layout[d].dim, s) for d, s in enumerate(shares) if s is not None), None)
+            inputs.append(Input(index, name, tuple(d for d, p in enumerate(layout) if p.is_shard()), uneven))
         elif "._buffers[" in name or graph_arg_is_python_scalar(node):
             inputs.append(Input(index, name, ()))
     return inputs, mesh
@@ -141,6 +147,12 @@ def _weights(n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(1, n + 1, dtype=torch.int64, device=device)
 
 
+def _shape_dtype(text: str) -> tuple[list[int], str]:
+    """The inverse of `_describe_value`'s first part: ``"[2, 16] float32"`` -> ([2, 16], "float32")."""
+    shape, _, dtype = text.rpartition(" ")
+    return [int(n) for n in shape.strip("[]").split(",") if n.strip()], dtype
+
+
 def _describe_value(v: Any, digest: bool) -> tuple[str, str]:
     """(shape and dtype, digest of the value) of one graph argument."""
     if isinstance(v, torch.Tensor):
@@ -198,13 +210,9 @@ class InputAgreement:
             )
         if len(ours) == len(theirs):
             for inp, mine, other in zip(self.inputs, ours[1:], theirs[1:]):
-                if mine.split("\t")[0] != other.split("\t")[0]:
-                    raise CheckError(
-                        f"{self.what}: input {inp.describe()} is {mine.split(chr(9))[0]} on rank {a} but "
-                        f"{other.split(chr(9))[0]} on rank {b}; every rank must pass a piece of the same local "
-                        "shape and dtype (shards are even): give each rank the same batch size"
-                    )
+                self._compare_shapes(inp, a, mine.split("\t")[0], b, other.split("\t")[0])
         if our_program != their_program:
+            self._one_row(a, ours, b, theirs)
             raise CheckError(
                 f"{self.what}: rank {a} and rank {b} traced different programs from the same code (digest "
                 f"{our_program} vs {their_program}): a Python value or branch depends on the rank (e.g. "
@@ -230,10 +238,49 @@ class InputAgreement:
                     "value on every rank, or lay the input out as Shard(d) if each rank holds its own part of it"
                 )
 
-    def _same_piece(self, a: int, b: int) -> Callable[[Input], bool]:
-        """Whether ranks `a` and `b` hold the same piece of an input (same coordinate on its sharded dims)."""
+    def _compare_shapes(self, inp: Input, a: int, mine: str, b: int, theirs: str) -> None:
+        """Equal local shapes and dtypes, but for an input cut by shares: rows in proportion to them."""
+        if inp.uneven is None or mine == theirs:
+            if mine != theirs:
+                raise CheckError(
+                    f"{self.what}: input {inp.describe()} is {mine} on rank {a} but {theirs} on rank {b}; every "
+                    "rank must pass a piece of the same local shape and dtype (shards are even): give each rank the "
+                    "same batch size, or cut the batch by shares: inputs=hca.Shard(0, shares=...)"
+                )
+            return
+        mesh_dim, dim, shares = inp.uneven
+        (shape_a, dtype_a), (shape_b, dtype_b) = _shape_dtype(mine), _shape_dtype(theirs)
+        rows_a, rows_b = shape_a.pop(dim), shape_b.pop(dim)
+        ca, cb = self._coordinate(a)[mesh_dim], self._coordinate(b)[mesh_dim]
+        if (shape_a, dtype_a) != (shape_b, dtype_b) or not rows_agree(shares, {ca: rows_a, cb: rows_b}):
+            raise CheckError(
+                f"{self.what}: input {inp.describe()} is {mine} on rank {a} but {theirs} on rank {b}; it is cut "
+                f"by shares {':'.join(map(str, shares))} on dim {dim}, so rank {a} (share {shares[ca]}) and rank "
+                f"{b} (share {shares[cb]}) hold rows in that proportion and agree on every other dim and the dtype: "
+                f"give each rank its share of a batch of a multiple of {smallest_whole(shares)} rows"
+            )
+
+    def _one_row(self, a: int, ours: list[str], b: int, theirs: list[str]) -> None:
+        """Ranks whose programs differ because one holds a single row of an input cut by shares."""
+        for inp, mine, other in zip(self.inputs, ours[1:], theirs[1:]):
+            if inp.uneven is None:
+                continue
+            rows = {r: _shape_dtype(text.split("\t")[0])[0][inp.uneven[1]] for r, text in ((a, mine), (b, other))}
+            if 1 in rows.values() and len(set(rows.values())) > 1:
+                raise CheckError(
+                    f"{self.what}: input {inp.describe()} holds {rows[a]} row(s) on rank {a} and {rows[b]} on rank "
+                    f"{b}; a piece of one row is traced for exactly one row (torch.compile specializes sizes 0 and 1), "
+                    "so the ranks' programs differ: give every rank at least 2 rows (a batch of a multiple of "
+                    f"{2 * smallest_whole(inp.uneven[2])} rows)"
+                )
+
+    def _coordinate(self, rank: int) -> tuple[int, ...]:
         if self._coordinates is None:  # rank -> mesh coordinate, once: this runs every step
             mesh = self.mesh.mesh
             self._coordinates = {int(mesh[c]): c for c in itertools.product(*(range(n) for n in mesh.shape))}
-        ca, cb = self._coordinates[a], self._coordinates[b]
+        return self._coordinates[rank]
+
+    def _same_piece(self, a: int, b: int) -> Callable[[Input], bool]:
+        """Whether ranks `a` and `b` hold the same piece of an input (same coordinate on its sharded dims)."""
+        ca, cb = self._coordinate(a), self._coordinate(b)
         return lambda inp: all(ca[d] == cb[d] for d in inp.sharded_dims)

@@ -1,0 +1,138 @@
+"""Work run on every rank by tests/test_uneven_shares.py: data parallelism with the batch cut by shares.
+
+Each rank holds its share of one global batch (``hca.Shard(0, shares=...)``),
+takes the mean loss over its own rows, as a DDP loop does, and steps an
+optimizer; a single-device reference takes the mean over the whole batch.
+Plain module, importable by the spawned ranks; no pytest here.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+import torch_hca as hca
+from torch_hca.spmd.shares import rows_for
+
+import model_zoo
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a = a.full_tensor() if isinstance(a, DTensor) else a
+    return ((a.detach().double() - b.detach().double()).norm() / max(b.detach().double().norm().item(), 1e-30)).item()
+
+
+def deep_mlp() -> model_zoo.Built:
+    from torch_hca.tools import zoo
+
+    return zoo.DeepMLP(16, 4), model_zoo.vector_inputs, lambda out, inputs: (out * out).mean()
+
+
+def dp_by_shares(model_name: str, shares: tuple[int, ...], batch: int, weighted: bool = True,
+                 steps: int = 2) -> dict:
+    """Two SGD steps (momentum 0.9) of `model_name` under data parallelism cut by `shares`.
+
+    ``weighted=False`` is the classic bug of uneven data parallelism, the negative control:
+    each rank's mean loss scaled by 1/n instead of by its share of the rows.
+    Returns the worst relative error of this rank's outputs, of each gradient and of each
+    parameter after the steps, against one device; the collectives of the compiled graphs;
+    this rank's rows; and the report's description of the shares.
+    """
+    torch._dynamo.reset()
+    mesh = hca.init_mesh()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref, make_inputs, loss_fn = deep_mlp() if model_name == "deep_mlp" else model_zoo.build(model_name)
+    cut = hca.Shard(0, shares=shares)
+    model = hca.sharded({}, mesh=mesh, inputs=cut, outputs=cut,
+                        loss_reduction="mean" if weighted else "sum")(copy.deepcopy(ref))
+    compiled = torch.compile(model, backend="hca", options={"check": True})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    rows = rows_for(shares, batch)
+    start = sum(rows[:rank])
+    names = [name for name, _ in ref.named_parameters()]
+    out_err, grad_errs = 0.0, dict.fromkeys(names, 0.0)
+    for step in range(steps):
+        torch.manual_seed(100 + step)  # one global batch, the same on every rank
+        inputs = make_inputs(batch)
+        local = tuple(t[start:start + rows[rank]] for t in inputs)
+        out = compiled(*local)
+        loss = loss_fn(out, local)
+        (loss if weighted else loss / n).backward()
+        ref_out = ref(*inputs)
+        loss_fn(ref_out, inputs).backward()
+        out_err = max(out_err, _rel(out, ref_out[start:start + rows[rank]]))
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            grad_errs[name] = max(grad_errs[name], _rel(p.grad, q.grad))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    report = hca.report(compiled)
+    unique = {id(p): p for p in ref.parameters()}.values()
+    return {
+        "rows": rows[rank],
+        "out_err": out_err,
+        "grad_errs": grad_errs,
+        "param_errs": {name: _rel(p, q) for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())},
+        "collectives": [(c.direction, c.kind, c.bytes) for c in report.collectives],
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in unique),
+        "shares_line": report.parallelism(),
+    }
+
+
+def weighted_and_not(model_name: str, shares: tuple[int, ...], batch: int) -> tuple[dict, dict]:
+    """`dp_by_shares` weighted by the shares, then the negative control: the same run unweighted."""
+    return dp_by_shares(model_name, shares, batch), dp_by_shares(model_name, shares, batch, weighted=False, steps=1)
+
+
+def bad_rows(shares: tuple[int, ...], rows: tuple[int, ...]) -> str:
+    """The error of a call whose pieces do not follow `shares` (each rank passes rows[rank] rows)."""
+    torch._dynamo.reset()
+    hca.init_mesh()
+    torch.manual_seed(0)
+    cut = hca.Shard(0, shares=shares)
+    model = hca.sharded({}, inputs=cut, outputs=cut)(nn.Linear(4, 4))
+    compiled = torch.compile(model, backend="hca")
+    try:
+        compiled(torch.randn(rows[dist.get_rank()], 4))
+    except Exception as e:
+        return _named(e)
+    return "no error"
+
+
+def batch_size_read(kind: str) -> str:
+    """The error of a forward that reads the uneven batch's size as a number, or averages over it."""
+
+    class ByBatch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.fc(x)
+            if kind == "divide":
+                return y.sum() / x.shape[0]
+            return y.mean()  # a mean over the rows: an avg all-reduce over the uneven ranks
+
+    torch._dynamo.reset()
+    hca.init_mesh()
+    cut = hca.Shard(0, shares=(1, 3))
+    model = hca.sharded({}, inputs=cut, outputs=hca.Replicate())(ByBatch())
+    compiled = torch.compile(model, backend="hca")
+    try:
+        compiled(torch.randn(2 if dist.get_rank() == 0 else 6, 4)).backward()
+    except Exception as e:
+        return _named(e)
+    return "no error"
+
+
+def _named(e: Exception) -> str:
+    """The error as "Type: message", the backend's own error out of torch.compile's wrapper."""
+    e = getattr(e, "inner_exception", None) or e
+    return f"{type(e).__name__}: {e}"
