@@ -46,6 +46,7 @@ def test_demo():
     ("data_parallel.py", "reduce_gradients: 1 bucket(s), 16896 bytes, 8 parameters"),
     ("dp_tp_2d.py", "all_reduce"),
     ("transformer_block.py", "max gradient relative error"),
+    ("heterogeneous.py", "PASS"),
 ])
 def test_example_with_local_launch(script, expect):
     assert expect in run(sys.executable, f"examples/{script}")
