@@ -38,7 +38,7 @@ from torch_hca.compiler.randomness import generators_kept, without_dead_draws
 from torch_hca.compiler.checks.spmd_check import check_same_collectives
 from torch_hca.compiler.checks.refinement import check_refinement
 from torch_hca.compiler.checks.uneven import (check_forward_collectives, check_sizes_only_shape, drop_whole_slices,
-                                             uneven_options, uneven_shares)
+                                             uneven_options, uneven_shares, weight_partial_means)
 from torch_hca.report.compile_report import CollectiveRecord, CompileReport, GraphReport, new_graph_report, next_graph_index
 from torch_hca.spmd.placements import dtype_str, layout_str
 from torch_hca.report.parallelism import sentence
@@ -176,6 +176,8 @@ def lay_out(gm: fx.GraphModule, example_inputs: list[Any], report: GraphReport) 
     with generators_kept(_device_type(gm)):  # probing a dropout draws nothing the step would
         for p in _passes("lift", "origins"):
             gm = run_pass(p(), gm, ctx)
+            if p is LayoutPass and report.uneven is not None:
+                report.weighted_means = weight_partial_means(gm, report.uneven)
     report.dtensor_program = gm
     return ctx, gm
 

@@ -59,6 +59,9 @@ def _params(draw, kind: Kind, n: int, shape: list[int]) -> tuple[list[int], dict
         return shape, {"root": draw(st.integers(0, n - 1))}
     if kind is Kind.SCALED_ALL_REDUCE:
         return shape, {"scale": draw(st.one_of(st.none(), st.floats(-2.0, -0.01), st.floats(0.01, 2.0)))}
+    if kind is Kind.WEIGHTED_ALL_REDUCE:  # uneven shares: each rank's share of the rows
+        shares = draw(st.lists(st.integers(1, 5), min_size=n, max_size=n))
+        return shape, {"weights": tuple(s / sum(shares) for s in shares), "after": draw(st.booleans())}
     if kind in (Kind.ALL_GATHER, Kind.ZERO_EMBED):
         return shape, {"dim": _dim(draw, ndim)}
     if kind in (Kind.REDUCE_SCATTER, Kind.LOCAL_CHUNK):
@@ -113,6 +116,7 @@ EXAMPLES = {  # one concrete call per kind, at world size 4
     Kind.REDUCE: ((4, 3), {"root": 1}),
     Kind.ALL_REDUCE: ((4, 3), {}),
     Kind.SCALED_ALL_REDUCE: ((4, 3), {"scale": 0.5}),
+    Kind.WEIGHTED_ALL_REDUCE: ((4, 3), {"weights": (0.125, 0.125, 0.25, 0.5), "after": False}),
     Kind.ALL_GATHER: ((2, 3), {"dim": 1}),
     Kind.REDUCE_SCATTER: ((4, 8), {"dim": 1}),
     Kind.ALL_TO_ALL: ((2, 8), {"src_dim": 0, "dst_dim": 1}),
@@ -144,7 +148,8 @@ def test_emitter_issues_exactly_its_ops(fake_pg, kind):
 
 def test_emitters_read_back_as_their_kind():
     # The graph readers (report, schedule check, transpose pass) know every op an emitter issues.
-    shares = {Kind.REDUCE: Kind.ALL_REDUCE, Kind.SCALED_ALL_REDUCE: Kind.ALL_REDUCE, Kind.PERMUTE: Kind.ALL_TO_ALL}
+    shares = {Kind.REDUCE: Kind.ALL_REDUCE, Kind.SCALED_ALL_REDUCE: Kind.ALL_REDUCE, Kind.PERMUTE: Kind.ALL_TO_ALL,
+              Kind.WEIGHTED_ALL_REDUCE: Kind.ALL_REDUCE}
     for kind, rule in RULES.items():
         for op in rule.ops:
             assert OPS[op].kind is shares.get(kind, kind), (kind, op)
@@ -163,7 +168,8 @@ def test_every_kind_has_one_rule_and_the_table_is_closed_under_transpose():
     assert {(k, r.transpose) for k, r in RULES.items()} >= {
         (Kind.BROADCAST, Kind.REDUCE), (Kind.ALL_GATHER, Kind.REDUCE_SCATTER),
         (Kind.REDUCE_SCATTER, Kind.ALL_GATHER), (Kind.ALL_REDUCE, Kind.ALL_REDUCE),
-        (Kind.SCALED_ALL_REDUCE, Kind.SCALED_ALL_REDUCE), (Kind.ALL_TO_ALL, Kind.ALL_TO_ALL),
+        (Kind.SCALED_ALL_REDUCE, Kind.SCALED_ALL_REDUCE), (Kind.WEIGHTED_ALL_REDUCE, Kind.WEIGHTED_ALL_REDUCE),
+        (Kind.ALL_TO_ALL, Kind.ALL_TO_ALL),
         (Kind.PERMUTE, Kind.PERMUTE), (Kind.LOCAL_CHUNK, Kind.ZERO_EMBED), (Kind.GATHER, Kind.INDEX_ADD),
     }
 
@@ -173,7 +179,8 @@ def test_what_is_left_of_a_sum_when_its_input_is_already_summed():
     assert ck.already_summed(Kind.ALL_REDUCE) == ()
     assert ck.already_summed(Kind.REDUCE_SCATTER) == (Kind.LOCAL_CHUNK,)
     assert ck.already_summed(Kind.REDUCE) == (Kind.KEEP_ROOT,)
-    for kind in (Kind.ALL_GATHER, Kind.ALL_TO_ALL, Kind.BROADCAST, Kind.PERMUTE, Kind.SCALED_ALL_REDUCE):
+    for kind in (Kind.ALL_GATHER, Kind.ALL_TO_ALL, Kind.BROADCAST, Kind.PERMUTE, Kind.SCALED_ALL_REDUCE,
+                 Kind.WEIGHTED_ALL_REDUCE):
         assert ck.already_summed(kind) is None, kind
 
 
@@ -181,6 +188,9 @@ def test_transpose_params():
     assert RULES[Kind.ALL_TO_ALL].transpose_params({"src_dim": 0, "dst_dim": 2}) == {"src_dim": 2, "dst_dim": 0}
     assert RULES[Kind.PERMUTE].transpose_params({"shift": 3}) == {"shift": -3}
     assert RULES[Kind.PERMUTE].transpose_params({"perm": (2, 0, 3, 1)}) == {"perm": (1, 3, 0, 2)}
+    # Weight before the sum (each rank's share of a mean) <-> weight after it (its cotangent).
+    assert RULES[Kind.WEIGHTED_ALL_REDUCE].transpose_params({"weights": (0.25, 0.75)}) == {"weights": (0.25, 0.75),
+                                                                                           "after": True}
 
 
 def test_a_duplicate_registration_raises():

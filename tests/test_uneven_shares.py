@@ -119,6 +119,13 @@ def test_one_to_three_and_the_unweighted_mean_is_a_wrong_gradient(worlds):
     assert wrong and wrong[0].startswith("layers."), unweighted
 
 
+def test_a_mean_over_the_rows_inside_forward_is_weighted_by_the_shares(worlds):
+    """DTensor averages the ranks' partial means; with shares the whole's mean weighs each by its rows."""
+    for r in worlds(2).run(uneven_cases.mean_inside, (1, 3), 8):
+        assert r["loss_err"] <= TOL and max(r["grad_errs"].values()) <= TOL, r
+        assert r["forward"] == [("all_reduce", 4)] and r["weighted"] == ["out"], r
+
+
 # ----------------------------------------------------------------------------- what it refuses
 
 
@@ -134,8 +141,8 @@ def test_a_piece_of_one_row_is_named(worlds):
         assert e.startswith("CheckError") and "at least 2 rows" in e, e
 
 
-@pytest.mark.parametrize("kind, says", [("divide", "computes with the size"), ("mean", "all_reduce(avg)")])
-def test_reading_the_whole_batch_size_is_refused(worlds, kind, says):
-    errors = worlds(2).run(uneven_cases.batch_size_read, kind)
+@pytest.mark.parametrize("kind, says", [("divide", "computes with the size"), ("centred", "all_gather")])
+def test_reading_the_whole_batch_or_its_size_is_refused(worlds, kind, says):
+    errors = worlds(2).run(uneven_cases.refused, kind)
     for e in errors:
         assert e.startswith("UnsupportedError") and says in e, e

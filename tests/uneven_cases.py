@@ -91,6 +91,48 @@ def weighted_and_not(model_name: str, shares: tuple[int, ...], batch: int) -> tu
     return dp_by_shares(model_name, shares, batch), dp_by_shares(model_name, shares, batch, weighted=False, steps=1)
 
 
+class MeanInside(nn.Module):
+    """Means over the rows inside ``forward``: a loss (``"loss"``), or the rows centred on
+    their mean first, as a batch norm does (``"centred"``)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.kind = kind
+
+    def forward(self, x):
+        y = torch.tanh(self.fc(x))
+        if self.kind == "centred":
+            y = y - y.mean(0, keepdim=True)
+        return y.square().mean()
+
+
+def mean_inside(shares: tuple[int, ...], batch: int, kind: str = "loss") -> dict:
+    """A mean over the uneven batch inside ``forward`` against one device: the loss every rank
+    gets and each gradient (relative errors), and the forward's collectives."""
+    torch._dynamo.reset()
+    mesh = hca.init_mesh()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = MeanInside(kind)
+    cut = hca.Shard(0, shares=shares)
+    model = hca.sharded({}, mesh=mesh, inputs=cut, outputs=hca.Replicate())(copy.deepcopy(ref))
+    compiled = torch.compile(model, backend="hca")
+    rows = rows_for(shares, batch)
+    x = torch.randn(batch, 8)
+    loss = compiled(x[sum(rows[:rank]):sum(rows[:rank + 1])])
+    loss.backward()
+    ref_loss = ref(x)
+    ref_loss.backward()
+    report = hca.report(compiled)
+    return {
+        "loss_err": _rel(loss, ref_loss),
+        "grad_errs": {n: _rel(p.grad, q.grad) for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())},
+        "forward": [(c.kind, c.bytes) for c in report.collectives if c.direction == "forward"],
+        "weighted": report.graph.weighted_means,
+    }
+
+
 def bad_rows(shares: tuple[int, ...], rows: tuple[int, ...]) -> str:
     """The error of a call whose pieces do not follow `shares` (each rank passes rows[rank] rows)."""
     torch._dynamo.reset()
@@ -106,27 +148,25 @@ def bad_rows(shares: tuple[int, ...], rows: tuple[int, ...]) -> str:
     return "no error"
 
 
-def batch_size_read(kind: str) -> str:
-    """The error of a forward that reads the uneven batch's size as a number, or averages over it."""
+def refused(kind: str) -> str:
+    """The error of a forward that reads the uneven batch's size as a number (``"divide"``), or
+    centres the rows on their mean, which DTensor gathers the batch for (``"centred"``)."""
 
-    class ByBatch(nn.Module):
+    class ByBatchSize(nn.Module):
         def __init__(self):
             super().__init__()
-            self.fc = nn.Linear(4, 4)
+            self.fc = nn.Linear(8, 8)
 
         def forward(self, x):
-            y = self.fc(x)
-            if kind == "divide":
-                return y.sum() / x.shape[0]
-            return y.mean()  # a mean over the rows: an avg all-reduce over the uneven ranks
+            return self.fc(x).sum() / x.shape[0]
 
     torch._dynamo.reset()
     hca.init_mesh()
     cut = hca.Shard(0, shares=(1, 3))
-    model = hca.sharded({}, inputs=cut, outputs=hca.Replicate())(ByBatch())
-    compiled = torch.compile(model, backend="hca")
+    module = ByBatchSize() if kind == "divide" else MeanInside("centred")
+    compiled = torch.compile(hca.sharded({}, inputs=cut, outputs=hca.Replicate())(module), backend="hca")
     try:
-        compiled(torch.randn(2 if dist.get_rank() == 0 else 6, 4)).backward()
+        compiled(torch.randn(2 if dist.get_rank() == 0 else 6, 8)).backward()
     except Exception as e:
         return _named(e)
     return "no error"

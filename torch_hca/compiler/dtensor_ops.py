@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Placement, Replicate
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 from torch.utils._pytree import tree_leaves, tree_map
 
 from torch_hca._torch_private import redistribute_to_partial
@@ -39,6 +39,23 @@ def replicate(t: torch.Tensor, mesh: int) -> DTensor:
     """A value made in the graph (a mask, an ``arange``, a buffer): every rank makes the same one."""
     m = mesh_of(mesh)
     return DTensor.from_local(t, m, (Replicate(),) * m.ndim, run_check=False)
+
+
+def weighted_sum(x: DTensor, mesh_dim: int, weight: float) -> DTensor:
+    """A partial mean over ranks holding uneven shares, as the partial sum it is: this rank's
+    piece times `weight`, its share of the rows (`torch_hca.compiler.checks.uneven`).
+
+    DTensor's ``Partial("avg")`` averages the ranks' pieces, right when every rank holds as
+    many rows; with shares the whole's mean weighs each rank's partial mean by its rows. With
+    the all-reduce DTensor then issues, this is the move table's weighted all-reduce
+    (`Kind.WEIGHTED_ALL_REDUCE`, whose adjoint tests/test_collective_table.py checks).
+    Backward, DTensor hands a partial sum's pieces the whole cotangent split n ways (its
+    Replicate -> Partial divides); each summand's cotangent is the whole: ScaleGrad undoes it.
+    """
+    placements = list(x.placements)
+    placements[mesh_dim] = Partial("sum")
+    local = ScaleGrad.apply(x.to_local() * weight, float(x.device_mesh.size(mesh_dim)))
+    return DTensor.from_local(local, x.device_mesh, placements, run_check=False, shape=x.shape, stride=x.stride())
 
 
 def to_output(x: DTensor, placements: tuple[Placement, ...], grad_scale: float = 1.0) -> torch.Tensor:

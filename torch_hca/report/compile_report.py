@@ -165,6 +165,7 @@ class GraphReport:
     refinement: dict[str, float] | None = None  # option check: relative error of each output and gradient
     refinement_skipped: str | None = None  # option check asked for, and why it did not run
     uneven: Any = None  # the shares the inputs are cut by (torch_hca.compiler.checks.uneven.UnevenShares)
+    weighted_means: list[str] = field(default_factory=list)  # partial means over uneven ranks, weighted by share
     parameters: dict[str, dict[str, Any]] = field(default_factory=dict)
     values: dict[str, dict[str, Any]] = field(default_factory=dict)
     passes: list[PassRecord] = field(default_factory=list)

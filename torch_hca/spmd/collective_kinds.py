@@ -51,6 +51,7 @@ class Kind(enum.Enum):
     REDUCE = "reduce"
     ALL_REDUCE = "all_reduce"
     SCALED_ALL_REDUCE = "scaled_all_reduce"
+    WEIGHTED_ALL_REDUCE = "weighted_all_reduce"
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_TO_ALL = "all_to_all"
@@ -203,6 +204,25 @@ def _scaled_all_reduce(x, group_name, rank, n, *, scale=None):
     """`scale` times the sum over the group (the mean when `scale` is None)."""
     scale = 1.0 / n if scale is None else scale
     return _wait(c10d.all_reduce(x.contiguous(), "sum", group_name)) * scale
+
+
+# weighted all_reduce: P -> R, each rank's piece times its own weight (uneven shares: its share
+# of the rows, docs/heterogeneous.md)   transpose: the same kind, the weight after the sum
+def _weight_moves(params: dict) -> dict:
+    return {**params, "after": not params.get("after", False)}
+
+
+@_kind(Kind.WEIGHTED_ALL_REDUCE, "P -> R (weighted)", Kind.WEIGHTED_ALL_REDUCE, _ring_twice,
+       ops=(c10d.all_reduce.default,), transpose_params=_weight_moves)
+def _weighted_all_reduce(x, group_name, rank, n, *, weights=None, after=False):
+    """The sum over the group of each rank's piece times ``weights[rank]`` (``after``: the sum,
+    times this rank's weight: the transpose, which hands each rank its weighted cotangent)."""
+    if weights is None or len(weights) != n:
+        raise CollectiveError(f"weighted_all_reduce: give one weight per rank of the group of {n}, got {weights!r}")
+    w = weights[rank]
+    if after:
+        return _wait(c10d.all_reduce(x.contiguous(), "sum", group_name)) * w
+    return _wait(c10d.all_reduce((x * w).contiguous(), "sum", group_name))
 
 
 # all_gather: S(d) -> R           transpose: reduce_scatter P -> S(d)

@@ -83,7 +83,7 @@ def ring_steps(kind: Kind, n: int) -> int:
     """Rounds of a ring implementation of `kind` over `n` ranks (0 for local kinds)."""
     if n <= 1 or not RULES[kind].communicates:
         return 0
-    if kind in (Kind.ALL_REDUCE, Kind.SCALED_ALL_REDUCE):
+    if kind in (Kind.ALL_REDUCE, Kind.SCALED_ALL_REDUCE, Kind.WEIGHTED_ALL_REDUCE):
         return 2 * (n - 1)
     if kind is Kind.PERMUTE:
         return 1

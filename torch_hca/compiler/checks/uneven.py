@@ -6,12 +6,14 @@ logical program as ``n`` times this rank's piece, its batch dimension symbolic
 (the sharded module marks it dynamic), and every rank traces one program: the
 even program of its own rows. That program is exact for everything that reads
 rows one by one, and for sums over rows (each rank's partial sum is its share
-of the whole). It is wrong for what reads the whole's size: the mean of a
-partial mean (an ``avg`` all-reduce over the uneven ranks), a gather of the
-uneven pieces, or the batch size computed with (``loss / x.shape[0]``). The
-checks here find those in the graphs and refuse them by name; the gradients of
-a mean the ranks take *outside* the module are weighted exactly by each rank's
-share (`torch_hca.api.plan`, ``loss_reduction="mean"``).
+of the whole). A mean over the rows is a partial mean DTensor would average
+over the ranks; `weight_partial_means` makes each explicit one the weighted sum
+it is (`dtensor_ops.weighted_sum`: the move table's weighted all-reduce). What
+reads the whole's size otherwise, a gather of the uneven pieces, a mean moved
+inside another op (an ``avg`` all-reduce left), the batch size computed with
+(``loss / x.shape[0]``), the checks here find in the graphs and refuse by
+name. The gradients of a mean the ranks take *outside* the module are weighted
+by each rank's share too (`torch_hca.api.plan`, ``loss_reduction="mean"``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import DTensor
 
 from torch_hca.compiler.layout.candidates import source_line
 from torch_hca.compiler.logical import ENTER, decode_shares, mesh_of
@@ -134,6 +137,40 @@ def check_forward_collectives(forward: fx.GraphModule, uneven: UnevenShares) -> 
             "not supported yet. Keep the batch split to the end: return per-row results (or a sum over rows) and "
             "take the mean outside the module with loss_reduction='mean'"
         )
+
+
+def weight_partial_means(gm: fx.GraphModule, uneven: UnevenShares) -> list[str]:
+    """Before each explicit move of a partial mean over the uneven ranks to a whole value, make it
+    the weighted partial sum it is (`dtensor_ops.weighted_sum`); the names of the values weighted.
+
+    The laid-out DTensor program: each node's example value carries its placements. A mean
+    DTensor moves implicitly (inside another op) stays an ``avg`` all-reduce, which
+    `check_forward_collectives` refuses."""
+    from torch_hca.compiler import dtensor_ops
+
+    weight = uneven.shares[uneven.coordinate] / sum(uneven.shares)
+    weighted = []
+    for node in list(gm.graph.nodes):
+        value = node.meta.get("example_value")
+        if not isinstance(value, DTensor) or not _is_mean(value.placements[uneven.mesh_dim]):
+            continue
+        movers = [u for u in node.users if u.target in (dtensor_ops.to_output, dtensor_ops.redistribute)
+                  and not _is_mean(u.args[1][uneven.mesh_dim])]
+        if not movers:
+            continue
+        with gm.graph.inserting_after(node):
+            summed = gm.graph.call_function(dtensor_ops.weighted_sum, (node, uneven.mesh_dim, weight))
+        summed.meta.update(node.meta)
+        summed.meta["example_value"] = dtensor_ops.weighted_sum(value, uneven.mesh_dim, weight)
+        for mover in movers:
+            mover.replace_input_with(node, summed)
+        weighted.append(node.name)
+    gm.recompile()
+    return weighted
+
+
+def _is_mean(p) -> bool:
+    return p.is_partial() and getattr(p, "reduce_op", None) == "avg"
 
 
 def uneven_options(options):
