@@ -26,7 +26,7 @@ from functorch.compile import default_partition
 from torch._dynamo.backends.common import aot_autograd
 from torch.distributed.tensor import DTensor
 
-from torch_hca._torch_private import graph_arg_example, group_size, inductor_random_as_eager, no_donated_buffers
+from torch_hca._torch_private import graph_arg_example, group_size, inductor_random_as_eager, no_donated_buffers, size_hint
 from torch_hca.compiler.checks.agreement import InputAgreement
 from torch_hca.spmd.collective_kinds import RULES
 from torch_hca.spmd.collective_nodes import OPS, node_group, node_payload, payload_bytes
@@ -370,11 +370,11 @@ def _record_collectives(report: GraphReport, gm: fx.GraphModule, direction: str)
         vals = node_payload(node)
         group = node_group(node)
         n = group_size(group)
-        payload = payload_bytes(node)
+        payload = size_hint(payload_bytes(node))  # the example's sizes, where they are symbolic
         report.collectives.append(CollectiveRecord(
             kind=info.kind.value, group=group, group_size=n, bytes=payload,
             wire_bytes=RULES[info.kind].wire_bytes(payload, n), direction=direction,
-            node=node.name, dtype=str(vals[0].dtype), shape=tuple(vals[0].shape),
+            node=node.name, dtype=str(vals[0].dtype), shape=tuple(size_hint(s) for s in vals[0].shape),
             partner=node.meta.get(PARTNER),
             rule="; ".join(filter(None, [node.meta.get(RULE, ""), node.meta.get(REWRITE) and f"rewritten by {node.meta[REWRITE]}"])),
         ))

@@ -438,3 +438,15 @@ def test_inductor_random_as_eager_keeps_aten_draws_in_the_decompositions():
         assert inductor_config.fallback_random is True
         assert aten.rand_like.default not in select_decomp_table()
     assert inductor_config.fallback_random is False
+
+
+def test_size_hint_reads_a_symbolic_size_as_the_examples():
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from torch_hca._torch_private import size_hint
+
+    env = ShapeEnv()
+    rows = env.create_symintnode(env.create_symbol(6, ConstantSource("rows")), hint=6)
+    assert isinstance(rows, torch.SymInt)
+    assert size_hint(rows * 4) == 24 and size_hint(7) == 7

@@ -32,23 +32,35 @@ def deep_mlp() -> model_zoo.Built:
     return zoo.DeepMLP(16, 4), model_zoo.vector_inputs, lambda out, inputs: (out * out).mean()
 
 
+def zoo_gpt() -> model_zoo.Built:
+    from torch_hca.tools import zoo
+
+    return zoo.GPT(vocab=model_zoo.VOCAB, dim=32, heads=4, hidden=64, layers=2), model_zoo.token_inputs, model_zoo.lm_loss
+
+
 def dp_by_shares(model_name: str, shares: tuple[int, ...], batch: int, weighted: bool = True,
-                 steps: int = 2) -> dict:
+                 steps: int = 2, megatron: bool = False) -> dict:
     """Two SGD steps (momentum 0.9) of `model_name` under data parallelism cut by `shares`.
 
     ``weighted=False`` is the classic bug of uneven data parallelism, the negative control:
-    each rank's mean loss scaled by 1/n instead of by its share of the rows.
+    each rank's mean loss scaled by 1/n instead of by its share of the rows. ``megatron``: a
+    (dp, tp) mesh of 2 tensor-parallel ranks per row of the mesh, the blocks stored Megatron's
+    way over tp and the batch cut by `shares` over dp.
     Returns the worst relative error of this rank's outputs, of each gradient and of each
     parameter after the steps, against one device; the collectives of the compiled graphs;
     this rank's rows; and the report's description of the shares.
     """
+    from torch_hca.tools import zoo
+
     torch._dynamo.reset()
-    mesh = hca.init_mesh()
-    rank, n = dist.get_rank(), dist.get_world_size()
+    n = len(shares)
+    mesh = hca.init_mesh((n, 2), ("dp", "tp")) if megatron else hca.init_mesh()
+    rank = mesh.get_coordinate()[0]
     torch.manual_seed(0)
-    ref, make_inputs, loss_fn = deep_mlp() if model_name == "deep_mlp" else model_zoo.build(model_name)
-    cut = hca.Shard(0, shares=shares)
-    model = hca.sharded({}, mesh=mesh, inputs=cut, outputs=cut,
+    ref, make_inputs, loss_fn = {"deep_mlp": deep_mlp, "zoo_gpt": zoo_gpt}.get(model_name, lambda: model_zoo.build(model_name))()
+    cut = (hca.Shard(0, shares=shares), hca.Replicate()) if megatron else hca.Shard(0, shares=shares)
+    plan = zoo.two_d(zoo.TP_GPT) if megatron else {}
+    model = hca.sharded(plan, mesh=mesh, inputs=cut, outputs=cut,
                         loss_reduction="mean" if weighted else "sum")(copy.deepcopy(ref))
     compiled = torch.compile(model, backend="hca", options={"check": True})
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -75,12 +87,13 @@ def dp_by_shares(model_name: str, shares: tuple[int, ...], batch: int, weighted:
         ref_opt.zero_grad()
     report = hca.report(compiled)
     unique = {id(p): p for p in ref.parameters()}.values()
+    collectives = [(c.direction, c.kind, c.bytes, c.group_size) for c in report.collectives]
     return {
         "rows": rows[rank],
         "out_err": out_err,
         "grad_errs": grad_errs,
         "param_errs": {name: _rel(p, q) for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())},
-        "collectives": [(c.direction, c.kind, c.bytes) for c in report.collectives],
+        "collectives": collectives,
         "parameter_bytes": sum(p.numel() * p.element_size() for p in unique),
         "shares_line": report.parallelism(),
     }

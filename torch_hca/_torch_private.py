@@ -408,3 +408,11 @@ def cpu_flash_attention_backward(grad, q, k, v, out, logsumexp, mask, causal: bo
     """(dq, dk, dv) of `cpu_flash_attention`, from its output and logsumexp."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
         grad, q, k, v, out, logsumexp, 0.0, causal, attn_mask=mask, scale=scale)
+
+
+def size_hint(value) -> int:
+    """A size as this compile's example has it: a symbolic size (uneven shares trace the batch
+    symbolic) read as its hint, without a guard; a plain int as itself."""
+    from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
+
+    return int(guarding_hint_or_throw(value)) if isinstance(value, torch.SymInt) else int(value)
