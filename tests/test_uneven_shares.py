@@ -133,6 +133,10 @@ def test_one_to_three_and_the_unweighted_mean_is_a_wrong_gradient(worlds):
     assert wrong and wrong[0].startswith("layers."), unweighted
 
 
+def test_eager_calls_weight_by_the_shares_too(worlds):
+    assert max(worlds(2).run(uneven_cases.eager_by_shares, (1, 3), 8)) <= TOL
+
+
 def test_a_mean_over_the_rows_inside_forward_is_weighted_by_the_shares(worlds):
     """DTensor averages the ranks' partial means; with shares the whole's mean weighs each by its rows."""
     for r in worlds(2).run(uneven_cases.mean_inside, (1, 3), 8):

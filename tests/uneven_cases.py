@@ -146,6 +146,23 @@ def mean_inside(shares: tuple[int, ...], batch: int, kind: str = "loss") -> dict
     }
 
 
+def eager_by_shares(shares: tuple[int, ...], batch: int) -> float:
+    """The sharded module called without torch.compile (DTensor eagerly): the worst relative
+    error of a gradient against one device, each rank's mean loss weighted by the shares."""
+    hca.init_mesh()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    cut = hca.Shard(0, shares=shares)
+    model = hca.sharded({}, inputs=cut, outputs=cut, loss_reduction="mean")(copy.deepcopy(ref))
+    x = torch.randn(batch, 8)
+    rows = rows_for(shares, batch)
+    start = sum(rows[:rank])
+    model(x[start:start + rows[rank]]).square().mean().backward()
+    ref(x).square().mean().backward()
+    return max(_rel(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+
+
 def bad_rows(shares: tuple[int, ...], rows: tuple[int, ...]) -> str:
     """The error of a call whose pieces do not follow `shares` (each rank passes rows[rank] rows)."""
     torch._dynamo.reset()
