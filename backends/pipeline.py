@@ -86,7 +86,7 @@ log = logging.getLogger(__name__)
 
 def _figures(report: GraphReport) -> str:
     """Which cost-model figures chose the layout, and where they came from (when measured)."""
-    figures, source = report.layout.get("cost_model"), report.layout.get("cost_model_source")
+    figures, source = report.layout.cost_model, report.layout.cost_model_source
     if not figures:
         return ""
     return (f"; cost model: {source}: compute {figures['flops_per_s'] / 1e9:.3g} GFLOP/s, "

@@ -37,6 +37,7 @@ from torch_hca.spmd.placements import dtype_str, layout_str, letter
 from torch_hca.errors import StrategyError, UnsupportedError
 from torch_hca.compiler.parameters import parameter_name
 from torch_hca.report.compile_report import Redistribution
+from torch_hca.report.layout_record import LayoutRecord
 from torch_hca.report import strategy_file
 
 from .infra import PassContext, PassResult
@@ -90,22 +91,23 @@ class LayoutPass:
         if loaded is not None:
             strategy_file.check_replayed(loaded, ctx.report.values, ctx.report.redistributions, f"graph {ctx.report.index}")
         elif ctx.options.layout == "dtensor":
-            ctx.report.layout = {"solver": "none (DTensor's per-op choices)"}
+            ctx.report.layout = LayoutRecord("none (DTensor's per-op choices)")
         # After the solver, a move DTensor still wanted means a strategy it mis-predicted.
-        ctx.report.layout["left_to_dtensor"] = implicit
-        ctx.report.layout["strategy_facts"] = facts
+        ctx.report.layout.left_to_dtensor = implicit
+        ctx.report.layout.strategy_facts = facts
         return PassResult(gm, bool(decisions or implicit), decisions + implicit)
 
     def _solve(self, gm: fx.GraphModule, ctx: PassContext) -> list[str]:
         """Choose every op's layouts with the solver and insert the moves it implies."""
         mesh = _mesh_of(gm)
         if mesh is None:
-            ctx.report.layout = {"solver": "none (no DTensor in the graph)"}
+            ctx.report.layout = LayoutRecord("none (no DTensor in the graph)")
             return []
         symbolic = _symbolic_value(gm)
         if symbolic is not None:
             # Divisibility of a symbolic size is unknown: keep DTensor's choices.
-            ctx.report.layout = {"solver": f"none (dynamic shapes: {symbolic} has a symbolic size; DTensor's per-op choices kept)"}
+            ctx.report.layout = LayoutRecord(
+                f"none (dynamic shapes: {symbolic} has a symbolic size; DTensor's per-op choices kept)")
             return []
         model, source = ctx.options.costs_and_source(mesh.device_type)
         start = time.perf_counter()
@@ -114,7 +116,7 @@ class LayoutPass:
         except UnsupportedError as e:
             if ctx.options.strict:
                 raise
-            ctx.report.layout = {"solver": f"none ({e}); DTensor's per-op choices kept"}
+            ctx.report.layout = LayoutRecord(f"none ({e}); DTensor's per-op choices kept")
             return []
         o = ctx.options
         solution_start = time.perf_counter()
@@ -122,16 +124,15 @@ class LayoutPass:
             ops, layout_solver.Costs(mesh, model), memory_weight=o.memory_weight,
             memory_budget=None if o.memory_budget is None else o.memory_budget, time_limit_s=o.solver_time_limit_s,
         )
-        ctx.report.layout = {
-            "solver": solution.solver, "status": solution.status, "objective_s": solution.objective_s,
-            "bound_s": solution.bound_s, "seconds": solution.seconds, "cost_model": model.as_dict(),
-            "cost_model_source": source,
-            "strategies": sum(len(op.strategies) for op in ops), "values": solution.explain,
-            "probe_seconds": solution_start - start,
+        ctx.report.layout = LayoutRecord(
+            solution.solver, status=solution.status, objective_s=solution.objective_s, bound_s=solution.bound_s,
+            seconds=solution.seconds, cost_model=model.as_dict(), cost_model_source=source,
+            strategies=sum(len(op.strategies) for op in ops), values=solution.explain,
+            probe_seconds=solution_start - start,
             # The user's layouts kept (no move where DTensor's rules run an op): the alternative
             # the one-sentence summary names, priced by the same model.
-            "as_written_s": _as_written_s(ops, layout_solver.Costs(mesh, model), o.memory_weight),
-        }
+            as_written_s=_as_written_s(ops, layout_solver.Costs(mesh, model), o.memory_weight),
+        )
         return self._emit(gm, ctx, ops, solution)
 
     @staticmethod
@@ -162,8 +163,8 @@ class LayoutPass:
             _inherit_source(node, first)
             self._record(ctx, node, src, before, layout, f"{first.name} reads it so (strategy file)")
             decisions.append(f"{node.name}: {src.name} -> {layout_str(layout)} for {first.name} (strategy file)")
-        ctx.report.layout = {"solver": f"strategy file {ctx.options.strategy}", "seconds": 0.0, "probe_seconds": 0.0,
-                             "replay_seconds": time.perf_counter() - start}
+        ctx.report.layout = LayoutRecord(f"strategy file {ctx.options.strategy}", seconds=0.0, probe_seconds=0.0,
+                                         replay_seconds=time.perf_counter() - start)
         return decisions
 
     def _emit(self, gm: fx.GraphModule, ctx: PassContext, ops, solution) -> list[str]:

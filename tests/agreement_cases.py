@@ -173,4 +173,4 @@ def solver_choices_apart() -> dict[str, Any]:
         layout_solver.solve = solve
     rep = hca.report(compiled)
     return {"forward": rep.collective_counts("forward"), "backward": rep.collective_counts("backward"),
-            "status": rep.graph.layout["status"], "refinement": rep.graph.refinement}
+            "status": rep.graph.layout.status, "refinement": rep.graph.refinement}

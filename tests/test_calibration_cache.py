@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import torch_hca as hca
+from torch_hca.report.layout_record import LayoutRecord
 from torch_hca.spmd.cost_model import CACHE_FILE, Calibration, cache_dir, cached_calibration, store_calibration
 
 from compile_log import compile_log_lines
@@ -171,7 +172,7 @@ def compile_with_and_without_a_cache(root: str) -> tuple:
             with compile_log_lines() as lines:
                 compiled(torch.ones(4, 16)).sum().backward()  # the same replicated input on every rank
             layout = hca.report(compiled).graphs[0].layout
-            seen.append((layout["cost_model"], layout["cost_model_source"], "\n".join(lines)))
+            seen.append((layout.cost_model, layout.cost_model_source, "\n".join(lines)))
         return seen
     finally:
         torch._dynamo.reset()
@@ -309,7 +310,7 @@ def test_the_compiler_names_the_cache_entry_and_its_time(folder, monkeypatch, no
 def test_the_log_line_says_which_figures_and_from_where():
     from torch_hca.backends.pipeline import _figures
 
-    layout = {"cost_model": FIGURES, "cost_model_source": "calibrated 2026-12-03 06:10 UTC, noisy (cache x.json)"}
+    layout = LayoutRecord(cost_model=FIGURES, cost_model_source="calibrated 2026-12-03 06:10 UTC, noisy (cache x.json)")
     assert _figures(types.SimpleNamespace(layout=layout)) == (
         "; cost model: calibrated 2026-12-03 06:10 UTC, noisy (cache x.json): compute 90 GFLOP/s, links 1.5 GB/s")
 

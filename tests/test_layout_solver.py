@@ -27,7 +27,7 @@ def compile_and_step(model, x, **options):
     compiled(x).sum().backward()
     rep = hca.report(compiled)
     if options.get("layout", "solve") == "solve":
-        assert all(g.layout.get("left_to_dtensor") == [] for g in rep.graphs), "DTensor still redistributes on its own"
+        assert all(g.layout.left_to_dtensor == [] for g in rep.graphs), "DTensor still redistributes on its own"
     return rep
 
 
@@ -39,8 +39,8 @@ def test_megatron_mlp(fake_pg):
     rep = compile_and_step(hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP(64, 256)), torch.randn(8, 64))
     assert counts(rep) == ({"all_reduce": 1}, {})
     layout = rep.graph.layout
-    assert layout["solver"] == "milp (scipy HiGHS)" and layout["status"] == "optimal"
-    assert layout["bound_s"] == pytest.approx(layout["objective_s"])
+    assert layout.solver == "milp (scipy HiGHS)" and layout.status == "optimal"
+    assert layout.bound_s == pytest.approx(layout.objective_s)
 
 
 def test_megatron_block_one_all_reduce_per_half_each_way(fake_pg):
@@ -68,7 +68,7 @@ def test_sequence_parallel_when_activation_memory_costs(fake_pg):
     fw, bw = counts(tight)
     # Reduce-scatter into a sequence-sharded residual + norm region, all-gather out of it.
     assert "all_reduce" not in fw and fw["reduce_scatter"] == 2 and fw["all_gather"] >= 2, fw
-    values = {r["value"]: r for r in tight.graph.layout["values"]}
+    values = {r["value"]: r for r in tight.graph.layout.values}
     assert values["layer_norm_1"]["placement"] == "(S(1))"
     assert values["layer_norm"]["placement"] == "(R)"  # the input is replicated and needs no gradient
     # Backward: the transposes (all-gather <-> reduce-scatter) and the norm weights' partial gradients.
@@ -134,7 +134,7 @@ def test_two_d_probes_each_mesh_dim_first_and_chooses_the_same(fake_pg, monkeypa
     assert fast_whole < slow_whole / 4, (fast_whole, slow_whole)
     assert [(c.kind, c.bytes, c.direction, c.node) for c in fast.collectives] == \
         [(c.kind, c.bytes, c.direction, c.node) for c in slow.collectives]
-    assert fast.graph.layout["values"] == slow.graph.layout["values"]
+    assert fast.graph.layout.values == slow.graph.layout.values
 
 
 def test_two_d_mesh_with_cheaper_compute_gathers_the_batch(fake_pg):
@@ -152,7 +152,7 @@ def test_explain_names_every_value_and_why(fake_pg):
     rep = compile_and_step(hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP(64, 256)), torch.randn(8, 64))
     text = rep.explain()
     assert "layout by milp (scipy HiGHS), optimal" in text
-    for row in rep.graph.layout["values"]:
+    for row in rep.graph.layout.values:
         assert row["value"][:24] in text
     assert "parameter storage" in text
     assert "linear" in text and "beat (R)" in text
@@ -161,7 +161,7 @@ def test_explain_names_every_value_and_why(fake_pg):
 
 def test_dtensor_layout_option_keeps_dtensors_choices(fake_pg):
     rep = compile_and_step(hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP(16, 32)), torch.randn(8, 16), layout="dtensor")
-    assert rep.graph.layout["solver"].startswith("none")
+    assert rep.graph.layout.solver.startswith("none")
     assert counts(rep) == ({"all_reduce": 1}, {})
 
 

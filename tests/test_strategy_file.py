@@ -55,8 +55,8 @@ def test_save_then_load_gives_the_same_program_without_solving(fake_pg, tmp_path
     assert graph["groups"]["0"]["forward"] == [c["id"] for c in graph["collectives"] if c["direction"] == "forward"]
 
     loaded = _compiled(*_tp_block(), strategy=str(path))
-    assert loaded.graph.layout["solver"] == f"strategy file {path}"
-    assert loaded.graph.layout["probe_seconds"] == 0.0 and loaded.graph.layout["seconds"] == 0.0
+    assert loaded.graph.layout.solver == f"strategy file {path}"
+    assert loaded.graph.layout.probe_seconds == 0.0 and loaded.graph.layout.seconds == 0.0
     assert loaded.collective_counts() == solved.collective_counts() == {"all_reduce": 4}
     assert loaded.table() == solved.table()
     assert loaded.graph.dtensor_code == solved.graph.dtensor_code
@@ -179,7 +179,7 @@ def test_two_d_mesh_round_trip_and_another_mesh_is_a_named_error(fake_pg, tmp_pa
     data = solved.save_strategy(tmp_path / "tp_2d.json")
     assert data["mesh"]["ranks"] == [[0, 1], [2, 3]] and data["mesh"]["dim_names"] == ["dp", "tp"]
     loaded = _compiled(*tp_2d(), strategy=str(tmp_path / "tp_2d.json"))
-    assert loaded.graph.layout["probe_seconds"] == 0.0
+    assert loaded.graph.layout.probe_seconds == 0.0
     assert loaded.collective_counts() == solved.collective_counts()
     assert loaded.save_strategy(tmp_path / "again.json") == data
     assert hca.verify(data).ok

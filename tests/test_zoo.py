@@ -223,7 +223,7 @@ def test_test_transformer_megatron_is_the_megatron_minimum(fake_pg):
     rep = hca.report(compiled)
     assert rep.collective_counts("forward") == {"all_reduce": 2 * layers, "all_gather": 1}
     assert rep.collective_counts("backward") == {"all_reduce": 2 * layers}
-    assert rep.graph.layout["left_to_dtensor"] == []
+    assert rep.graph.layout.left_to_dtensor == []
 
 
 def test_fsdp_gradients_reduce_scattered_on_gloo_run_as_all_reduces(worlds):

@@ -23,6 +23,7 @@ from torch_hca.errors import HCAError
 from torch_hca.spmd.cost_model import CostModel
 from torch_hca.spmd.collective_nodes import nbytes
 from torch_hca.spmd.placements import dtype_str, layout_str, partial_dims
+from torch_hca.report.layout_record import LayoutRecord
 from torch_hca.report.parallelism import sentence
 
 
@@ -170,7 +171,7 @@ class GraphReport:
     values: dict[str, dict[str, Any]] = field(default_factory=dict)
     passes: list[PassRecord] = field(default_factory=list)
     schedules: dict[str, dict[str, Any]] = field(default_factory=dict)
-    layout: dict[str, Any] = field(default_factory=dict)  # the layout solver's decision (see explain())
+    layout: LayoutRecord = field(default_factory=LayoutRecord)  # the layout pass's decision (see explain())
     # Option layout="tune": on the program kept, each candidate's time (`torch_hca.backends.tune`);
     # on the others, why they were dropped (hca.report leaves them out).
     tuning: dict[str, Any] | None = None
@@ -310,7 +311,7 @@ class CompileReport:
                     "redistributions": [r.as_dict() for r in g.redistributions],
                     "collectives": [c.as_dict() for c in g.collectives],
                     "schedules": {k: {f: v for f, v in s.items() if f != "before"} for k, s in g.schedules.items()},
-                    "layout": g.layout,
+                    "layout": g.layout.as_dict(),
                     "tuning": g.tuning,
                 }
                 for g in self.graphs
@@ -358,7 +359,7 @@ class CompileReport:
         under communication priced otherwise)."""
         device = (self.graphs[0].mesh or {}).get("device_type", "cpu")
         tuning = self.graphs[0].tuning
-        solved = (tuning or {}).get("cost_model") or self.graphs[0].layout.get("cost_model")
+        solved = (tuning or {}).get("cost_model") or self.graphs[0].layout.cost_model
         return CostModel(**solved) if solved else self.graphs[0].options.costs(device)
 
     def measured(self) -> "StepMeasure":
@@ -396,17 +397,17 @@ class CompileReport:
         parts = []
         for g in self.graphs:
             lay = g.layout
-            head = f"== graph {g.index}: layout by {lay.get('solver', '?')}"
-            if "objective_s" in lay:
-                bound = lay.get("bound_s")
-                head += (f", {lay['status']}; objective {lay['objective_s'] * 1e6:.1f} us"
+            head = f"== graph {g.index}: layout by {lay.solver}"
+            if lay.solved:
+                bound = lay.bound_s
+                head += (f", {lay.status}; objective {lay.objective_s * 1e6:.1f} us"
                          f"{'' if bound is None else f', bound {bound * 1e6:.1f} us'}; "
-                         f"{lay['strategies']} strategies, solved in {lay['seconds']:.2f} s; "
-                         f"cost model: {lay.get('cost_model_source', '?')}")
+                         f"{lay.strategies} strategies, solved in {lay.seconds:.2f} s; "
+                         f"cost model: {lay.cost_model_source or '?'}")
             lines = [head + " =="]
             if g.tuning is not None:
                 lines.append(tuning_line(g.tuning))
-            rows = lay.get("values", [])
+            rows = lay.values
             if rows:
                 lines.append(f"{'value':<24} {'shape':<14} {'placement':<10} {'reads':<24} "
                              f"{'compute':>9} {'fw comm':>9} {'bw comm':>9}  why")
@@ -416,7 +417,7 @@ class CompileReport:
                         f"{','.join(r['reads']):<24} {r['compute_us']:>7.1f}us {r['forward_comm_us']:>7.1f}us "
                         f"{r['backward_comm_us']:>7.1f}us  {r['why']}"
                     )
-            for left in lay.get("left_to_dtensor", []):
+            for left in lay.left_to_dtensor:
                 lines.append(f"moved by DTensor's choice, not the solver's: {left}")
             parts.append("\n".join(lines))
         return "\n\n".join(parts)

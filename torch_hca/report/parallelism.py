@@ -89,15 +89,15 @@ def _ms(seconds: float) -> str:
 
 def sentence(g: Any) -> str:
     """The summary of one `GraphReport`."""
-    lay = g.layout or {}
+    lay = g.layout
     mesh = g.mesh or {}
     ranks = math.prod(mesh.get("shape") or [1])
     stored, sharded = _storage(g.parameters)
-    inputs = sorted({r["placement"] for r in lay.get("values", []) if r.get("why") in _INPUT_WHY})
+    inputs = sorted({r["placement"] for r in lay.values if r.get("why") in _INPUT_WHY})
     if inputs:
         stored += f", inputs {' '.join(inputs)}"
     moves = _moves(g.redistributions, {info["graph_input"] for info in g.parameters.values()})
-    share = _split_share(lay.get("values", []))
+    share = _split_share(lay.values)
     moved = ", ".join(f"{v} {what} of {of}s" for (what, of), v in sorted(moves.items())) or "none"
     parts = [f"graph {g.index}: {_label(sharded, share, moves)}: stored {stored}"]
     if g.uneven is not None:
@@ -109,13 +109,13 @@ def sentence(g: Any) -> str:
         if not sharded and share > 0 and g.parameters:
             parts[-1] += ", the replicated parameters' gradients summed over them"
     parts.append(f"moves: {moved}")
-    if "objective_s" in lay:
-        predicted = f"predicted {_ms(lay['objective_s'])} a step"
-        alt = lay.get("as_written_s")
+    if lay.solved:
+        predicted = f"predicted {_ms(lay.objective_s)} a step"
+        alt = lay.as_written_s
         if alt is not None:
-            same = math.isclose(alt, lay["objective_s"], rel_tol=1e-6)
+            same = math.isclose(alt, lay.objective_s, rel_tol=1e-6)
             predicted += ", as written the same cost" if same else f", as written {_ms(alt)} (rejected)"
         parts.append(predicted)
     else:
-        parts.append(f"layout by {lay.get('solver', '?')}")
+        parts.append(f"layout by {lay.solver}")
     return "; ".join(parts)

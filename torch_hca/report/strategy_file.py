@@ -133,7 +133,7 @@ def _value_entry(node: fx.Node, kind: str) -> dict | None:
 
 
 def _graph_entry(g: Any, mesh: dict) -> dict:
-    facts = g.layout.get("strategy_facts") or {}
+    facts = g.layout.strategy_facts or {}
     program = g.dtensor_program
     inputs_of_params = {p.get("graph_input"): name for name, p in g.parameters.items()}
     values: dict[str, dict] = {}
@@ -264,18 +264,18 @@ def build(rep: Any) -> dict:
     import torch_hca
 
     graphs = [g for g in rep.graphs if g.dtensor_program is not None]
-    if not graphs or any("strategy_facts" not in g.layout for g in graphs):
+    if not graphs or any(g.layout.strategy_facts is None for g in graphs):
         raise StrategyError("save_strategy: no laid-out graph in this report (options inner='dtensor' and "
                             "layout='solve' or 'as_written' all lay one out); compile and call the module once first")
     first = graphs[0]
-    facts = first.layout["strategy_facts"]
+    facts = first.layout.strategy_facts
     mesh = {"shape": list(first.mesh["shape"]), "dim_names": list(first.mesh.get("names") or []) or None,
             "device_type": first.mesh.get("device_type"), "ranks": facts["mesh_ranks"]}
     parameters = {}
     for g in graphs:
         for name, p in g.parameters.items():
             parameters[name] = {"shape": p["shape"], "dtype": p["dtype"], "placements": layout_texts(p["placements"])}
-    model = {"graph_digests": [g.layout["strategy_facts"]["logical_digest"] for g in graphs],
+    model = {"graph_digests": [g.layout.strategy_facts["logical_digest"] for g in graphs],
              "parameters": dict(sorted(parameters.items()))}
     model["digest"] = model_digest(model)
     return {
