@@ -7,7 +7,6 @@ none), else the ones that did not would wait in a collective.
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import Any
 

@@ -6,7 +6,6 @@ import copy
 import pickle
 
 import pytest
-import torch
 import torch.nn as nn
 from torch.distributed.tensor import Shard as TorchShard
 

@@ -43,7 +43,7 @@ import numpy as np
 import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Replicate
 
 from torch_hca.compiler.layout.candidates import Layout, Op, Strategy, split_factor, value_bytes
 from torch_hca.spmd.collective_kinds import Kind, cotangent_letter, move_kind
