@@ -1,8 +1,7 @@
 """torch_hca: a torch.compile backend for sharded training with derived, checked collectives."""
 
 from torch.distributed.tensor import Partial, Replicate
-
-from torch_hca.spmd.shares import Shard
+from torch_hca.spmd.shares import Shard  # torch's Shard, or with shares= an uneven one
 
 from .errors import (
     CheckError,
