@@ -152,6 +152,11 @@ def test_rows_out_of_proportion_are_a_check_error(worlds):
         assert e.startswith("CheckError") and "cut by shares 1:3" in e and "multiple of 4 rows" in e, e
 
 
+def test_rows_are_checked_on_every_call_even_under_input_check_first(worlds):
+    for e in worlds(2).run(uneven_cases.bad_rows, (1, 3), (3, 5), True):
+        assert e.startswith("CheckError") and "cut by shares 1:3" in e, e
+
+
 def test_a_piece_of_one_row_is_named(worlds):
     errors = worlds(2).run(uneven_cases.bad_rows, (1, 3), (1, 3))
     for e in errors:

@@ -163,15 +163,18 @@ def eager_by_shares(shares: tuple[int, ...], batch: int) -> float:
     return max(_rel(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
 
 
-def bad_rows(shares: tuple[int, ...], rows: tuple[int, ...]) -> str:
-    """The error of a call whose pieces do not follow `shares` (each rank passes rows[rank] rows)."""
+def bad_rows(shares: tuple[int, ...], rows: tuple[int, ...], first_good: bool = False) -> str:
+    """The error of a call whose pieces do not follow `shares` (each rank passes rows[rank] rows);
+    ``first_good``: after a call that follows them, under input_check="first"."""
     torch._dynamo.reset()
     hca.init_mesh()
     torch.manual_seed(0)
     cut = hca.Shard(0, shares=shares)
     model = hca.sharded({}, inputs=cut, outputs=cut)(nn.Linear(4, 4))
-    compiled = torch.compile(model, backend="hca")
+    compiled = torch.compile(model, backend="hca", options={"input_check": "first"} if first_good else None)
     try:
+        if first_good:
+            compiled(torch.randn(rows_for(shares, 4 * sum(shares))[dist.get_rank()], 4))
         compiled(torch.randn(rows[dist.get_rank()], 4))
     except Exception as e:
         return _named(e)

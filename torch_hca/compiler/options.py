@@ -71,7 +71,7 @@ class Options:
       shape and dtype, and a digest of the values that must be equal (Replicate()
       inputs, buffers, Python scalars, pieces at the same mesh coordinate);
       "shapes": no value digests after the first call; "first": everything, on
-      the first call only.
+      the first call only (the shapes of inputs cut by shares on every call).
     strategy: path of a strategy file (`hca.report(c).save_strategy(path)`, docs/strategy.md):
       the layout pass checks it was made for this model, mesh and world size, then places
       every value as the file says instead of probing and solving (StrategyError on any difference).

@@ -22,7 +22,9 @@ each rank posts, through `torch_hca.runtime.exchange`:
 and a difference is a `CheckError` naming the input, the ranks and what each
 holds. Option ``input_check``: ``"values"`` (the default, all of the above on
 every call), ``"shapes"`` (no byte digests after the first call) or
-``"first"`` (the whole check on the first call only); the generators are
+``"first"`` (the whole check on the first call only; an input cut by shares
+has its shapes compared on every call, since its gradients are weighted by
+them); the generators are
 compared wherever the byte digests are.
 """
 
@@ -180,7 +182,9 @@ class InputAgreement:
         without collectives), so that the peers' posts arrive meanwhile."""
         first = self.calls == 0
         self.calls += 1
-        if self.mesh is None or not needs_exchange() or (self.mode == "first" and not first):
+        # Rows cut by shares are weighted by the shares: their proportion is checked on every call.
+        uneven = any(i.uneven is not None for i in self.inputs)
+        if self.mesh is None or not needs_exchange() or (self.mode == "first" and not first and not uneven):
             return None
         digest = first or self.mode == "values"
         generators = generator_digest(self.mesh.device_type) if digest and self.draws else "-"
