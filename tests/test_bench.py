@@ -1,6 +1,11 @@
 """Smoke test of `python -m torch_hca bench`: every model and contestant runs on tiny sizes
 and writes complete JSON records; every contestant trains the same thing as a single device.
 
+The command runs in this process (`torch_hca.__main__.main`) with the session's world of 2 gloo
+ranks (tests/conftest.py) as its ranks, instead of a new interpreter whose `launch` starts 2 more:
+the same arguments, tables, records and rank function (`bench_cases.in_cache_dir` runs it), without
+a fresh torch import, process group and first compile for each command.
+
 Speed is not asserted (a benchmark is a command, docs/bench.md). Whether hca's bytes
 per step are the fewest is reported as a warning, not asserted: at tiny sizes the layout
 solver's cost model may rightly prefer fewer, larger collectives. The one run also takes
@@ -8,11 +13,10 @@ solver's cost model may rightly prefer fewer, larger collectives. The one run al
 are exercised there.
 """
 
+import contextlib
 import copy
+import io
 import json
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -21,11 +25,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 import torch_hca as hca
+import torch_hca.tools.bench as bench_command
+import torch_hca.tools.bench_real as bench_real_command
+from torch_hca.__main__ import main as command_line
 from torch_hca.tools.bench_run import REGRET_OF
 from torch_hca.tools.bench_tables import _NOT_COMPARED
 from torch_hca.tools.bench import ALTERNATIVES, BREAKDOWN, CONTESTANTS, MODELS as ALL_MODELS, _expert, applies, specs, \
     step_breakdown, traced_step
 from torch_hca.tools.step_profile import StepProfile
+
+import bench_cases
 
 # At --tiny sizes dp512 is the dp model (DeepMLP(16, 3), 8 rows against 512), and mlp takes
 # the contestants block does (both tensor-parallel): the smoke test leaves both out to keep the
@@ -39,21 +48,36 @@ KEYS = {"model", "contestant", "bytes_per_step", "analytic_min_bytes", "collecti
         "compile_time_s", "peak_mem_bytes", "max_grad_rel_err", "optimizer_time_s"}
 
 
+def bench(worlds, folder, *argv, deadline_s=900):
+    """``python -m torch_hca bench <argv>``: (exit status, stdout), the ranks the session's world.
+    The bench reads a cache but never writes one: its own folder all the same, not the session's.
+    A rank that fails raises here (`RankError`, with its traceback); the progress lines (which
+    contestant was running) are in the test's captured stderr."""
+    cache = str(folder / "cache")
+
+    def launch(fn, world_size, *args, timeout_s):  # the command's peer timeout: the world keeps its own
+        return worlds(world_size).run(bench_cases.in_cache_dir, cache, fn, *args, timeout_s=deadline_s)
+
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+        mp.setenv("TORCH_HCA_CACHE_DIR", cache)
+        mp.setattr(bench_command, "launch", launch)
+        mp.setattr(bench_real_command, "launch", launch)
+        code = command_line(["bench", *argv])
+    return code, out.getvalue()
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, worlds):
     folder = tmp_path_factory.mktemp("bench")
     out, traces = folder / "bench.json", folder / "traces"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch_hca", "bench", "--tiny", "--models", ",".join(MODELS), "--steps", "1", "--rounds", "2",
-         "--round-ms", "10", "--hca-options", '{"input_check": "values"}',  # the default: the flag's plumbing
-         "--profile", str(traces), "--json", str(out)],
-        capture_output=True, text=True, timeout=900,
-        # The bench reads a cache but never writes one: its own folder all the same, not the session's.
-        env={**os.environ, "TORCH_HCA_CACHE_DIR": str(folder / "cache")},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "== schedule on/off" in proc.stdout and "== where the step time goes" in proc.stdout
-    return json.loads(out.read_text()), proc.stdout, traces
+    code, stdout = bench(
+        worlds, folder, "--tiny", "--models", ",".join(MODELS), "--steps", "1", "--rounds", "2",
+        "--round-ms", "10", "--hca-options", '{"input_check": "values"}',  # the default: the flag's plumbing
+        "--profile", str(traces), "--json", str(out))
+    assert code == 0, stdout[-3000:]
+    assert "== schedule on/off" in stdout and "== where the step time goes" in stdout
+    return json.loads(out.read_text()), stdout, traces
 
 
 @pytest.fixture(scope="module")
@@ -359,18 +383,13 @@ def test_targets_are_read_overall_and_in_each_round():
 REAL_TINY = ("single", "ddp", "fsdp2", "expert", "hca", "hca_megatron", "hca_plan")
 
 
-def test_real_tiny_runs_every_model_and_contestant(tmp_path):
+def test_real_tiny_runs_every_model_and_contestant(tmp_path, worlds):
     from torch_hca.tools.bench_real import REAL_MODELS
 
     out = tmp_path / "real.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch_hca", "bench", "--real", "--tiny", "--contestants", ",".join(REAL_TINY),
-         "--steps", "1", "--round-ms", "0", "--default-costs", "--json", str(out)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "TORCH_HCA_CACHE_DIR": str(tmp_path / "cache")},
-    )
-    # On failure: which contestant was running (the progress lines) and the crashed rank's stack.
-    said = [line for line in proc.stderr.splitlines() if not line.startswith("Extension modules")]
-    assert proc.returncode == 0, proc.stdout[-1500:] + "\n".join(said)[-8000:]
+    code, stdout = bench(worlds, tmp_path, "--real", "--tiny", "--contestants", ",".join(REAL_TINY), "--steps", "1",
+                         "--round-ms", "0", "--default-costs", "--json", str(out), deadline_s=600)
+    assert code == 0, stdout[-1500:]
     records = json.loads(out.read_text())
     assert [(r["model_family"], r["contestant"]) for r in records] == [(m, c) for m in REAL_MODELS for c in REAL_TINY]
     for r in records:
@@ -381,6 +400,6 @@ def test_real_tiny_runs_every_model_and_contestant(tmp_path):
         assert r["max_grad_rel_err"] <= 1e-5 and r["step_time_s"] > 0 and r["peak_mem_bytes"] > 0, r
         assert (r["collectives"] > 0) == (r["contestant"] != "single"), r
     for m in REAL_MODELS:
-        assert f"\n{m}: " in "\n" + proc.stdout and f"== {m} (" in proc.stdout
-    assert "/ single_inductor" in proc.stdout and "expert failed: NotImplementedError" in proc.stdout
-    assert proc.stdout.count("hca_plan: hca.plan took") == len(REAL_MODELS)
+        assert f"\n{m}: " in "\n" + stdout and f"== {m} (" in stdout
+    assert "/ single_inductor" in stdout and "expert failed: NotImplementedError" in stdout
+    assert stdout.count("hca_plan: hca.plan took") == len(REAL_MODELS)
