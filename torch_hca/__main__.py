@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
                        "llama_100m)")
     bench.add_argument("--contestants", default=None,
                        help="comma-separated (default: all); each runs on the models it applies to")
+    bench.add_argument("--hetero", action="store_true",
+                       help="rank 1 made k times slower (k = 1, 1.5, 2, 3): the even split, the split by shares "
+                            "and the balanced bound (docs/heterogeneous.md, \"Measuring heterogeneity here\")")
     bench.add_argument("--real", action="store_true",
                        help="real-size Hugging Face models (GPT-2 small, a 125M-parameter Llama) and their own "
                             "contestants: one device, DDP, FSDP2, parallelize_module, hca (docs/bench.md, "
@@ -69,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         from .tools.bench import main as bench_main
 
         split = lambda s: [v.strip() for v in s.split(",") if v.strip()]
+        if args.hetero:
+            return _bench_hetero(parser, args)
         if args.real:
             from .tools.bench_real import REAL_CONTESTANTS, REAL_MODELS, main as real_main
 
@@ -93,6 +98,20 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(args.world_size)
     return 2
+
+
+def _bench_hetero(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`bench --hetero`: 2 ranks, its own model and k's; reads --json, --tiny and --rounds (when > 1)."""
+    from .tools.bench_hetero import main as hetero_main
+
+    others = {"--real": args.real, "--models": args.models, "--contestants": args.contestants, "--rows": args.rows,
+              "--seq": args.seq, "--profile": args.profile, "--hca-options": args.hca_options,
+              "--world-size": args.world_size != 2}
+    given = [flag for flag, value in others.items() if value]
+    if given:
+        parser.error(f"--hetero runs its own model on 2 ranks; it takes --json, --tiny and --rounds, "
+                     f"not {', '.join(given)}")
+    return hetero_main(args.json, args.tiny, rounds=args.rounds if args.rounds > 1 else None)
 
 
 if __name__ == "__main__":
