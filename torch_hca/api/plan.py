@@ -80,12 +80,13 @@ class ShardingSpec:
             return y
         layout, scale = output_layout(y, self.outputs, self.grad_scale)
         local = y.redistribute(self.mesh, even(layout)).to_local(grad_placements=even(layout))
-        scale *= self.weight_of(layout)
-        return local if scale == 1.0 else ScaleGrad.apply(local, scale)
+        return self.weighted(local, layout, scale)
 
-    def weight_of(self, layout: Layout) -> float:
-        """This rank's `share_weight` for a result leaving in `layout` (1 if not cut by shares)."""
-        return self.share_weight if uneven_dims(layout) else 1.0
+    def weighted(self, local: torch.Tensor, layout: Layout, scale: float = 1.0) -> torch.Tensor:
+        """A result leaving in `layout`, its cotangent times `scale` and, if it is cut by shares,
+        this rank's `share_weight`."""
+        scale *= self.share_weight if uneven_dims(layout) else 1.0
+        return local if scale == 1.0 else ScaleGrad.apply(local, scale)
 
 
 def _distribute(module: nn.Module, spec: ShardingSpec) -> None:
@@ -202,8 +203,7 @@ def _weighted(spec: ShardingSpec, out: Any) -> Any:
     def weighted(t):
         if not isinstance(t, torch.Tensor) or not t.requires_grad:
             return t
-        scale = spec.weight_of(output_layout(t, spec.outputs, 1.0)[0])
-        return t if scale == 1.0 else ScaleGrad.apply(t, scale)
+        return spec.weighted(t, output_layout(t, spec.outputs, 1.0)[0])
     return tree_map(weighted, out)
 
 

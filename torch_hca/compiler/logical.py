@@ -49,10 +49,11 @@ def mesh_of(index: int) -> DeviceMesh:
     return _MESHES[index]
 
 
-def encode(layout: Layout) -> str:
-    """``(Shard(0), Replicate())`` -> ``"S0,R"``: a layout as a custom op argument
-    (an uneven shard's shares after a slash: ``"S0/1:3,R"``)."""
-    return ",".join(letter(p) + share_text(p) for p in layout)
+def encode(layout: Layout, ndim: int | None = None) -> str:
+    """``(Shard(0), Replicate())`` -> ``"S0,R"``: a layout as a custom op argument (an uneven
+    shard's shares after a slash: ``"S0/1:3,R"``); with `ndim`, negative shard dims counted
+    from the end of a tensor of that many dims."""
+    return ",".join((f"S{p.dim % ndim}" if ndim and isinstance(p, Shard) else letter(p)) + share_text(p) for p in layout)
 
 
 def decode(text: str) -> Layout:
@@ -201,8 +202,7 @@ def enter_local(x: Any, layout: Layout | None, mesh: DeviceMesh, index: int, wha
     check_input_layout(x, layout, what, mesh)
     if isinstance(x, DTensor):
         return enter(x.to_local(), encode(tuple(x.placements)), list(x.shape), index)
-    text = ",".join(f"S{p.dim % x.dim()}{share_text(p)}" if isinstance(p, Shard) else letter(p) for p in layout)
-    return enter(x, text, global_shape(x.shape, layout, mesh.shape), index)
+    return enter(x, encode(layout, x.dim()), global_shape(x.shape, layout, mesh.shape), index)
 
 
 class Holder(torch.nn.Module):

@@ -13,7 +13,7 @@ import re
 import textwrap
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -25,6 +25,9 @@ from torch_hca.spmd.collective_nodes import nbytes
 from torch_hca.spmd.placements import dtype_str, layout_str, partial_dims
 from torch_hca.report.layout_record import LayoutRecord
 from torch_hca.report.parallelism import sentence
+
+if TYPE_CHECKING:
+    from torch_hca.compiler.checks.uneven import UnevenShares
 
 
 # ----------------------------------------------------------------------------- text for people
@@ -165,7 +168,7 @@ class GraphReport:
     random_draws: list[str] = field(default_factory=list)  # "node: aten op" drawing random numbers (lift pass)
     refinement: dict[str, float] | None = None  # option check: relative error of each output and gradient
     refinement_skipped: str | None = None  # option check asked for, and why it did not run
-    uneven: Any = None  # the shares the inputs are cut by (torch_hca.compiler.checks.uneven.UnevenShares)
+    uneven: UnevenShares | None = None  # the shares the inputs are cut by
     weighted_means: list[str] = field(default_factory=list)  # partial means over uneven ranks, weighted by share
     parameters: dict[str, dict[str, Any]] = field(default_factory=dict)
     values: dict[str, dict[str, Any]] = field(default_factory=dict)

@@ -80,7 +80,7 @@ def check_mesh_fit(layout, mesh_shape, what: str) -> None:
 
 
 def uneven_dims(layout) -> list[tuple[int, UnevenShard]]:
-    """(mesh dim, placement) of each `UnevenShard` in `layout` (None: none)."""
+    """(mesh dim, placement) of each `UnevenShard` in `layout` (a layout of None has none)."""
     return [(d, p) for d, p in enumerate(layout or ()) if isinstance(p, UnevenShard)]
 
 
@@ -101,8 +101,9 @@ def rows_agree(shares: tuple[int, ...], rows: dict[int, int]) -> bool:
 
 def rows_for(shares: tuple[int, ...], total: int) -> tuple[int, ...] | None:
     """Each rank's rows of a whole of `total` rows cut by `shares`; None where they do not divide."""
-    unit, rest = divmod(total, sum(shares))
-    return None if rest else tuple(unit * s for s in shares)
+    g = math.gcd(*shares)
+    unit, rest = divmod(total, sum(shares) // g)
+    return None if rest else tuple(unit * s // g for s in shares)
 
 
 def smallest_whole(shares: tuple[int, ...]) -> int:
