@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils._pytree import tree_leaves, tree_map
 
 from torch_hca.errors import MeshError, PlanError
@@ -151,7 +152,9 @@ def _wrap_forward(forward):
         replicated = (Replicate(),) * spec.mesh.ndim
         buffers = {f"inner.{name}": DTensor.from_local(b, spec.mesh, replicated, run_check=False)
                    for name, b in self.named_buffers()}  # views: in-place updates reach the buffers
-        with DTensorRewrites():
+        # Plain tensors the forward makes (positions, masks, a cache's indices) are the same on
+        # every rank: DTensor takes them as replicated instead of refusing to mix them.
+        with DTensorRewrites(), implicit_replication():
             out = torch.func.functional_call(self.__dict__["_hca_logical"], buffers, args, kwargs, strict=False)
         return tree_map(spec.to_local, out)
 
