@@ -126,8 +126,8 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
             "DTensors yet; set the model's attention dropout to 0.0 (e.g. config.attn_pdrop / attention_dropout), "
             "or apply dropout outside attention"
         )
-    if enable_gqa:
-        raise UnsupportedError("scaled_dot_product_attention(enable_gqa=True) is not supported yet")
+    if enable_gqa and k.size(-3) != q.size(-3):
+        k, v = _repeat_kv(k, q.size(-3)), _repeat_kv(v, q.size(-3))
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
     if q.dim() == 4:
         # Heads first, then one flat batch of (head, batch) pairs for bmm: DTensor
@@ -135,9 +135,30 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
         # the (batch, sharded heads) that matmul's own broadcasting flattens.
         h, b, lq = q.size(1), q.size(0), q.size(2)
         flat = lambda t: t.transpose(0, 1).reshape(h * b, t.size(2), t.size(3))
+        if attn_mask is not None and attn_mask.dim() == 4:  # (batch or 1, heads or 1, lq, lk): flattened as q is
+            attn_mask = flat(_like(attn_mask, q).expand(b, h, lq, k.size(2)))
         out = _attention(flat(q), flat(k), flat(v), attn_mask, is_causal, scale)
         return out.view(h, b, lq, v.size(3)).transpose(0, 1)
     return _attention(q, k, v, attn_mask, is_causal, scale)
+
+
+def cat(tensors, dim: int = 0, *, out=None):
+    """`torch.cat` without the legacy empty 1-D pieces it skips (a KV cache's first keys are
+    ``torch.tensor([])``): DTensor would lay such a piece out like the others and fail."""
+    kept = [t for t in tensors if not (t.dim() == 1 and t.numel() == 0)]
+    return torch.cat(kept or list(tensors), dim, out=out) if out is not None else torch.cat(kept or list(tensors), dim)
+
+
+def _repeat_kv(t, heads: int):
+    """Each of `t`'s kv heads once per query head of its group, as SDPA's ``enable_gqa`` reads them:
+    an unsqueeze, expand and flatten, which DTensor keeps split over heads."""
+    kv_heads = t.size(-3)
+    if heads % kv_heads:
+        raise UnsupportedError(
+            f"scaled_dot_product_attention(enable_gqa=True): {heads} query heads do not divide into {kv_heads} kv heads"
+        )
+    shape = t.shape[:-3] + (kv_heads, heads // kv_heads) + t.shape[-2:]
+    return t.unsqueeze(-3).expand(shape).flatten(-4, -3)
 
 
 def _attention(q, k, v, attn_mask, is_causal: bool, scale: float):

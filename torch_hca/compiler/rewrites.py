@@ -8,6 +8,7 @@ eager module behaves the same.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
@@ -18,6 +19,7 @@ from torch_hca.compiler import dtensor_ops
 REWRITES = {
     F.scaled_dot_product_attention: dtensor_ops.attention,
     F.dropout: dtensor_ops.dropout,  # the masks one device draws (torch_hca.compiler.randomness)
+    torch.cat: dtensor_ops.cat,  # a KV cache starts from an empty 1-D tensor
 }
 
 
