@@ -27,7 +27,9 @@ from torch.distributed.tensor import DTensor
 
 from torch_hca.compiler import dtensor_ops
 from torch_hca.compiler.layout import candidates as layout_candidates
+from torch_hca.compiler.layout.probes import call_node
 from torch_hca.compiler.layout import solver as layout_solver
+from torch_hca.compiler.layout.move_costs import Costs
 from torch_hca._torch_private import (
     RedistributionEvent, fake_dtensor_work, graph_arg_example, is_mask_partial, mask_buffer_states,
     record_implicit_redistributions,
@@ -38,14 +40,14 @@ from torch_hca.errors import StrategyError, UnsupportedError
 from torch_hca.compiler.parameters import parameter_name
 from torch_hca.report.compile_report import Redistribution
 from torch_hca.report.layout_record import LayoutRecord
-from torch_hca.report import strategy_file
+from torch_hca.report import strategy_file, strategy_replay
 
 from .infra import PassContext, PassResult
 
 
 def _execute(gm: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-    return layout_candidates.call_node(gm, node, args, kwargs)
+    return call_node(gm, node, args, kwargs)
 
 
 def _attribute(node: fx.Node, env, events: list[RedistributionEvent]) -> dict[fx.Node, tuple]:
@@ -89,7 +91,7 @@ class LayoutPass:
                 decisions = self._solve(gm, ctx) if ctx.options.layout == "solve" else []
             implicit = self._rewrite(gm, ctx)
         if loaded is not None:
-            strategy_file.check_replayed(loaded, ctx.report.values, ctx.report.redistributions, f"graph {ctx.report.index}")
+            strategy_replay.check_replayed(loaded, ctx.report.values, ctx.report.redistributions, f"graph {ctx.report.index}")
         elif ctx.options.layout == "dtensor":
             ctx.report.layout = LayoutRecord("none (DTensor's per-op choices)")
         # After the solver, a move DTensor still wanted means a strategy it mis-predicted.
@@ -121,7 +123,7 @@ class LayoutPass:
         o = ctx.options
         solution_start = time.perf_counter()
         solution = layout_solver.solve(
-            ops, layout_solver.Costs(mesh, model), memory_weight=o.memory_weight,
+            ops, Costs(mesh, model), memory_weight=o.memory_weight,
             memory_budget=None if o.memory_budget is None else o.memory_budget, time_limit_s=o.solver_time_limit_s,
         )
         ctx.report.layout = LayoutRecord(
@@ -131,7 +133,7 @@ class LayoutPass:
             probe_seconds=solution_start - start,
             # The user's layouts kept (no move where DTensor's rules run an op): the alternative
             # the one-sentence summary names, priced by the same model.
-            as_written_s=_as_written_s(ops, layout_solver.Costs(mesh, model), o.memory_weight),
+            as_written_s=_as_written_s(ops, Costs(mesh, model), o.memory_weight),
         )
         return self._emit(gm, ctx, ops, solution)
 
@@ -139,8 +141,8 @@ class LayoutPass:
     def _loaded(gm: fx.GraphModule, ctx: PassContext, facts: dict) -> dict:
         """This graph's entry of the strategy file, checked against this model, mesh and world size."""
         mesh = _mesh_of(gm)
-        data = strategy_file.load(ctx.options.strategy)
-        return strategy_file.match_graph(data, facts, list(mesh.shape) if mesh is not None else [1],
+        data = strategy_replay.load(ctx.options.strategy)
+        return strategy_replay.match_graph(data, facts, list(mesh.shape) if mesh is not None else [1],
                                          ctx.report.parameters, f"graph {ctx.report.index}")
 
     def _replay(self, gm: fx.GraphModule, ctx: PassContext, entry: dict) -> list[str]:
@@ -149,7 +151,7 @@ class LayoutPass:
         nodes = {n.name: n for n in gm.graph.nodes}
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         decisions = []
-        for value, before, layout, readers in strategy_file.moves_to_replay(entry):
+        for value, before, layout, readers in strategy_replay.moves_to_replay(entry):
             src, users = nodes.get(value), [nodes.get(r) for r in readers]
             if src is None or None in users or not users:
                 raise StrategyError(

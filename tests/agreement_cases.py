@@ -150,6 +150,7 @@ def solver_choices_apart() -> dict[str, Any]:
     import dataclasses
 
     from torch_hca.compiler.layout import solver as layout_solver
+    from torch_hca.compiler.layout.move_costs import Costs
 
     mesh = hca.init_mesh()
     rank = dist.get_rank()
@@ -157,7 +158,7 @@ def solver_choices_apart() -> dict[str, Any]:
     if rank == 1:
         def apart(ops, costs, **kwargs):
             model = dataclasses.replace(costs.model, flops_per_s=1e15, bytes_per_s=1e3, launch_s=0.0)
-            return solve(ops, layout_solver.Costs(costs.mesh, model), **kwargs)
+            return solve(ops, Costs(costs.mesh, model), **kwargs)
         layout_solver.solve = apart
     try:
         torch._dynamo.reset()

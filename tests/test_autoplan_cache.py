@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import torch_hca as hca
-from torch_hca.compiler.layout import candidates as layout_candidates
+from torch_hca.compiler.layout import probes as layout_probes
 
 VOCAB, DIM, OUT = 64, 32, 8
 
@@ -25,7 +25,7 @@ VOCAB, DIM, OUT = 64, 32, 8
 @pytest.fixture(autouse=True)
 def _fresh_probes():
     """The solver caches its probes per process; each test must probe DTensor itself."""
-    layout_candidates._PROBES.clear()
+    layout_probes._PROBES.clear()
     yield
 
 

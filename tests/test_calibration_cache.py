@@ -1,4 +1,4 @@
-"""The calibration cache (`torch_hca.spmd.cost_model`): one entry per (host, world size, backend,
+"""The calibration cache (`torch_hca.spmd.calibration_cache`): one entry per (host, world size, backend,
 torch version), read back only on an exact match; a broken file is ignored with a warning.
 `hca.calibrate(cache=True)` follows rank 0's cache on every rank."""
 
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import torch_hca as hca
 from torch_hca.report.layout_record import LayoutRecord
-from torch_hca.spmd.cost_model import CACHE_FILE, Calibration, cache_dir, cached_calibration, store_calibration
+from torch_hca.spmd.calibration_cache import CACHE_FILE, Calibration, cache_dir, cached_calibration, store_calibration
 
 from compile_log import compile_log_lines
 
@@ -294,7 +294,7 @@ def test_the_bench_uses_the_users_quiet_calibration(tmp_path, fake_pg, monkeypat
 # ------------------------------------------------------------ the compile log names the figures' source
 @pytest.mark.parametrize("noisy", [False, True])
 def test_the_compiler_names_the_cache_entry_and_its_time(folder, monkeypatch, noisy):
-    from torch_hca.spmd.cost_model import base_model
+    from torch_hca.spmd.calibration_cache import base_model
 
     for name, value in (("is_initialized", lambda: True), ("get_backend", lambda: "gloo"),
                         ("get_world_size", lambda: 2)):

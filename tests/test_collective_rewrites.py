@@ -25,6 +25,7 @@ import rewrite_cases
 from torch_hca.errors import CheckError
 from torch_hca.compiler.options import Options
 from torch_hca.passes import collective_rewrites as cr
+from torch_hca.passes import rewrite_rules as rr
 from torch_hca.passes.infra import PassContext, run_pass
 from torch_hca.report.compile_report import GraphReport
 
@@ -178,14 +179,14 @@ def test_pass_object_through_the_driver(fake_pg):
 
 
 def test_rule_table():
-    names = [r.name for rules in cr.RULES.values() for r in rules]
+    names = [r.name for rules in rr.RULES.values() for r in rules]
     assert sorted(names) == sorted([RULE1, RULE2, RULE3, RULE4, RULE5, CAT])
-    assert all(isinstance(op, torch._ops.OpOverload) for op in cr.RULES)
-    assert {r.name for rules in cr.RULES.values() for r in rules if r.rank_dependent} == {RULE1, RULE2, RULE3}
-    before = {op: list(rules) for op, rules in cr.RULES.items()}
+    assert all(isinstance(op, torch._ops.OpOverload) for op in rr.RULES)
+    assert {r.name for rules in rr.RULES.values() for r in rules if r.rank_dependent} == {RULE1, RULE2, RULE3}
+    before = {op: list(rules) for op, rules in rr.RULES.items()}
     with pytest.raises(CheckError, match="registered twice"):
-        cr.rule(torch.ops.aten.mul.Tensor, "x = x")(cr.all_reduce_of_sum)
-    assert cr.RULES == before
+        rr.rule(torch.ops.aten.mul.Tensor, "x = x")(rr.all_reduce_of_sum)
+    assert rr.RULES == before
 
 
 def test_piece_reads_only_even_pieces(fake_pg):
@@ -194,7 +195,7 @@ def test_piece_reads_only_even_pieces(fake_pg):
 
     gm = _trace(pieces, (8, 6))
     out = gm.graph.find_nodes(op="output")[0].args[0]
-    got = [(p.dim, p.index, p.pieces) if (p := cr.piece(n)) else None for n in out]
+    got = [(p.dim, p.index, p.pieces) if (p := rr.piece(n)) else None for n in out]
     # x[3:5] is off a piece boundary; split(x, 3) leaves a short last piece; x[::2] strides.
     assert got == [(0, 1, 4), (0, 1, 4), None, None, (1, 2, 3), None, (0, 3, 4)]
 

@@ -16,7 +16,9 @@ from torch.distributed.tensor import Replicate, Shard
 
 import torch_hca as hca
 from torch_hca.compiler.layout import candidates as layout_candidates
+from torch_hca.compiler.layout import probes as layout_probes
 from torch_hca.compiler.layout import solver as layout_solver
+from torch_hca.compiler.layout.move_costs import Costs
 from torch_hca.tools import zoo
 
 from dist_cases import NormMLP
@@ -122,11 +124,11 @@ def test_two_d_probes_each_mesh_dim_first_and_chooses_the_same(fake_pg, monkeypa
     """A combination of layouts on a (2, 2) mesh is probed whole only where each mesh dim's part
     runs alone on its 1-D mesh: far fewer of DTensor's slow 2-D probes, the same strategies."""
     def solve(shortcut: bool):
-        monkeypatch.setattr(layout_candidates, "_PROBES", {})  # the probe cache is process-wide
+        monkeypatch.setattr(layout_probes, "_PROBES", {})  # the probe cache is process-wide
         if not shortcut:
-            monkeypatch.setattr(layout_candidates, "_submeshes", lambda mesh: [])
+            monkeypatch.setattr(layout_candidates, "submeshes", lambda mesh: [])
         rep = _two_d_mlp()
-        whole = sum(len(key[-1]) == 2 for key in layout_candidates._PROBES)  # key[-1]: the mesh's shape
+        whole = sum(len(key[-1]) == 2 for key in layout_probes._PROBES)  # key[-1]: the mesh's shape
         return rep, whole
 
     fast, fast_whole = solve(True)
@@ -189,7 +191,7 @@ def test_exact_beats_or_ties_greedy_and_costs_agree(fake_pg):
     storage = lambda n: tuple(n.meta["example_value"].placements) if n in params else None
     with fake:
         ops = layout_candidates.build_ops(g, hca.current_mesh(), costs, storage)
-    c = layout_solver.Costs(hca.current_mesh(), costs)
+    c = Costs(hca.current_mesh(), costs)
     exact = layout_solver.solve(ops, c)
     greedy = layout_solver.greedy(ops, c, 0.0)
     # The integer program's objective is the model's cost of its choice, and no worse than greedy's.
@@ -198,12 +200,12 @@ def test_exact_beats_or_ties_greedy_and_costs_agree(fake_pg):
 
 
 def test_repeated_layers_are_probed_once(fake_pg):
-    layout_candidates._PROBES.clear()
+    layout_probes._PROBES.clear()
     compile_and_step(hca.sharded({}, inputs=Shard(0), outputs=Shard(0))(zoo.DeepMLP(16, 2)), torch.randn(8, 16))
-    two = len(layout_candidates._PROBES)
+    two = len(layout_probes._PROBES)
     torch._dynamo.reset()
     compile_and_step(hca.sharded({}, inputs=Shard(0), outputs=Shard(0))(zoo.DeepMLP(16, 8)), torch.randn(8, 16))
-    assert len(layout_candidates._PROBES) == two  # six more layers, no new probe
+    assert len(layout_probes._PROBES) == two  # six more layers, no new probe
 
 
 def test_plan_with_a_budget_finds_megatron_storage(fake_pg):

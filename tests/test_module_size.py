@@ -16,15 +16,11 @@ FUNCTION_LINES = 80  # from `def` to the body's last line, decorators not counte
 
 # Over the module limit; each is being changed by other work, split it when that lands.
 MODULES_OVER = {
-    "torch_hca/report/compile_report.py",  # the report's records and tables (about 600 lines)
-    "torch_hca/compiler/layout/solver.py",  # the layout solver (451 lines)
-    "torch_hca/api/calibrate.py",  # measuring the cost model (about 520 lines with the work in progress)
+    "torch_hca/report/compile_report.py",  # the report's records and tables (654 lines)
+    "torch_hca/api/calibrate.py",  # measuring the cost model (539 lines)
 }
-# Over the function limit; the same.
-FUNCTIONS_OVER = {
-    "torch_hca/compiler/layout/solver.py:solve",  # builds and solves the integer program (90 lines)
-    "torch_hca/__main__.py:main",  # the command line's parser and dispatch (83 lines)
-}
+# Over the function limit: none today; the set may only stay empty.
+FUNCTIONS_OVER: set[str] = set()
 
 
 def _modules() -> list[Path]:

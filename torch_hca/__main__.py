@@ -11,8 +11,30 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .tools.bench_models import CONTESTANTS, MODELS
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "verify":
+        from torch_hca.verify import verify as verify_file
 
+        result = verify_file(args.strategy, raise_on_failure=False)
+        print(result)
+        return 0 if result.ok else 1
+    if args.command == "bench":
+        return _bench(parser, args)
+    if args.command == "calibrate":
+        from torch_hca.api.calibrate import calibrate_local
+
+        print(calibrate_local(args.world_size))
+        return 0
+    if args.command == "demo":
+        from .tools.demo import main as demo_main
+
+        return demo_main(args.world_size)
+    return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line's parser: one subcommand each for calibrate, demo, bench and verify."""
     parser = argparse.ArgumentParser(prog="python -m torch_hca", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     calibrate = sub.add_parser("calibrate", help="measure the cost model on local gloo ranks and cache it "
@@ -21,6 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="train a tensor-parallel transformer block on local gloo ranks")
     demo.add_argument("--world-size", type=int, default=2)
     bench = sub.add_parser("bench", help="hca next to DTensor eager/Inductor, hand-written TP, DDP and FSDP2")
+    _bench_arguments(bench)
+    verify = sub.add_parser("verify", help="check a strategy file (hca.report(c).save_strategy) by the move table "
+                            "alone: kinds, bytes, transposes, group order, Partial reduced (docs/strategy.md)")
+    verify.add_argument("strategy", help="path of the strategy file")
+    return parser
+
+
+def _bench_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--world-size", type=int, default=2)
     bench.add_argument("--steps", type=int, default=5,
                        help="timed steps per contestant and round, at least (see --round-ms)")
@@ -58,46 +88,30 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--hca-options", default=None, metavar="JSON",
                        help="options added to every hca contestant's, as JSON (e.g. '{\"bucket_cap_mb\": 2}'): "
                             "rerun a comparison under other knobs; recorded per hca record as hca_options")
-    verify = sub.add_parser("verify", help="check a strategy file (hca.report(c).save_strategy) by the move table "
-                            "alone: kinds, bytes, transposes, group order, Partial reduced (docs/strategy.md)")
-    verify.add_argument("strategy", help="path of the strategy file")
-    args = parser.parse_args(argv)
-    if args.command == "verify":
-        from torch_hca.verify import verify as verify_file
 
-        result = verify_file(args.strategy, raise_on_failure=False)
-        print(result)
-        return 0 if result.ok else 1
-    if args.command == "bench":
-        from .tools.bench import main as bench_main
 
-        split = lambda s: [v.strip() for v in s.split(",") if v.strip()]
-        if args.hetero:
-            return _bench_hetero(parser, args)
-        if args.real:
-            from .tools.bench_real import REAL_CONTESTANTS, REAL_MODELS, main as real_main
+def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`bench`: the synthetic models, `--real` ones or `--hetero`."""
+    from .tools.bench import main as bench_main
+    from .tools.bench_models import CONTESTANTS, MODELS
 
-            return real_main(args.world_size, args.steps, split(args.models or ",".join(REAL_MODELS)),
-                             split(args.contestants or ",".join(REAL_CONTESTANTS)), args.json, args.tiny,
-                             args.default_costs, rows=split(args.rows or "4"), seq=args.seq,
-                             recalibrate=args.recalibrate, rounds=args.rounds, profile_dir=args.profile,
-                             round_ms=args.round_ms, hca_options=args.hca_options)
-        if args.rows is not None or args.seq is not None:
-            parser.error("--rows and --seq go with --real")
-        return bench_main(args.world_size, args.steps, split(args.models or ",".join(MODELS)),
-                          split(args.contestants or ",".join(CONTESTANTS)), args.json,
-                          args.tiny, args.default_costs, recalibrate=args.recalibrate, rounds=args.rounds,
-                          profile_dir=args.profile, round_ms=args.round_ms, hca_options=args.hca_options)
-    if args.command == "calibrate":
-        from torch_hca.api.calibrate import calibrate_local
+    split = lambda s: [v.strip() for v in s.split(",") if v.strip()]
+    if args.hetero:
+        return _bench_hetero(parser, args)
+    if args.real:
+        from .tools.bench_real import REAL_CONTESTANTS, REAL_MODELS, main as real_main
 
-        print(calibrate_local(args.world_size))
-        return 0
-    if args.command == "demo":
-        from .tools.demo import main as demo_main
-
-        return demo_main(args.world_size)
-    return 2
+        return real_main(args.world_size, args.steps, split(args.models or ",".join(REAL_MODELS)),
+                         split(args.contestants or ",".join(REAL_CONTESTANTS)), args.json, args.tiny,
+                         args.default_costs, rows=split(args.rows or "4"), seq=args.seq,
+                         recalibrate=args.recalibrate, rounds=args.rounds, profile_dir=args.profile,
+                         round_ms=args.round_ms, hca_options=args.hca_options)
+    if args.rows is not None or args.seq is not None:
+        parser.error("--rows and --seq go with --real")
+    return bench_main(args.world_size, args.steps, split(args.models or ",".join(MODELS)),
+                      split(args.contestants or ",".join(CONTESTANTS)), args.json,
+                      args.tiny, args.default_costs, recalibrate=args.recalibrate, rounds=args.rounds,
+                      profile_dir=args.profile, round_ms=args.round_ms, hca_options=args.hca_options)
 
 
 def _bench_hetero(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

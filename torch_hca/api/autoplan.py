@@ -23,6 +23,7 @@ from torch.distributed.tensor import Placement, Replicate
 
 from torch_hca.compiler.layout import candidates as layout_candidates
 from torch_hca.compiler.layout import solver as layout_solver
+from torch_hca.compiler.layout.move_costs import Costs
 from torch_hca._torch_private import fake_dtensor_work, graph_arg_example
 from torch_hca.errors import HCAError, PlanError
 from torch_hca.spmd.placements import dtype_str
@@ -75,7 +76,7 @@ def plan(
     with fake_dtensor_work([n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]):
         ops = layout_candidates.build_ops(gm, mesh, costs, lambda node: None, free_storage=lambda node: node in names)
     solution = layout_solver.solve(
-        ops, layout_solver.Costs(mesh, costs), memory_weight=opts.memory_weight,
+        ops, Costs(mesh, costs), memory_weight=opts.memory_weight,
         memory_budget=memory_budget, time_limit_s=opts.solver_time_limit_s,
     )
     chosen = {names[node]: tuple(s.output) for node, s in solution.choice.items() if node in names}

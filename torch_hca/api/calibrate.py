@@ -56,12 +56,12 @@ Use the result as ``options={"cost_model": hca.calibrate()}``, or cache it:
 
 ``hca.calibrate(cache=True)`` measures once per machine: it returns the figures
 cached for (rank 0's host, world size, backend, torch version) when there are
-some (`torch_hca.spmd.cost_model.cached_calibration`; rank 0 reads, every rank gets
+some (`torch_hca.spmd.calibration_cache.cached_calibration`; rank 0 reads, every rank gets
 its answer), else measures and stores them; ``refresh=True`` measures again. A noisy
 calibration is cached marked noisy, and only where the cache holds no quiet one for the
 key (a quiet entry stays, with a warning); a noisy entry counts as none for
 ``cache=True``, which measures again. The compiler starts from the cached figures, noisy
-or not, by itself (`torch_hca.spmd.cost_model.base_model`), and its compile log says which
+or not, by itself (`torch_hca.spmd.calibration_cache.base_model`), and its compile log says which
 ("calibrated 2026-12-03 06:10 UTC, noisy (cache ...)"); ``python -m torch_hca calibrate``
 fills the cache from local gloo ranks.
 """
@@ -79,9 +79,8 @@ import torch
 import torch.distributed as dist
 
 from torch_hca.spmd.collective_kinds import RULES, Kind
-from torch_hca.spmd.cost_model import (
-    Calibration, CostModel, cached_calibration, now_utc, scatter_runs_as_all_reduce, store_calibration,
-)
+from torch_hca.spmd.calibration_cache import Calibration, cached_calibration, now_utc, store_calibration
+from torch_hca.spmd.cost_model import CostModel, scatter_runs_as_all_reduce
 from torch_hca.errors import HCAError, MeshError
 from torch_hca.runtime.mesh import current_mesh
 
@@ -487,7 +486,7 @@ def calibrate_local(world_size: int = 2) -> str:
     """`python -m torch_hca calibrate`: measure on `world_size` local gloo ranks, cache, and say
     what (and what the cache holds now, where a noisy measurement did not replace it)."""
     from torch_hca.runtime.launch import launch
-    from torch_hca.spmd.cost_model import CACHE_FILE, cache_dir
+    from torch_hca.spmd.calibration_cache import CACHE_FILE, cache_dir
 
     figures = launch(_calibrate_and_store, world_size)[0]
     kept = cached_calibration(world_size, "gloo")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import copyreg
 import dataclasses
 import functools
-import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,17 +26,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
-from torch.distributed.tensor.experimental import implicit_replication
-from torch.utils._pytree import tree_leaves, tree_map
 
 from torch_hca.errors import MeshError, PlanError
 from torch_hca.spmd.placements import dtype_str
 from torch_hca.spmd.shares import even, uneven_dims
 from torch_hca.runtime.exchange import exchange, first_difference, needs_exchange
-from torch_hca.compiler.logical import Holder, ScaleGrad, call_logically, check_input_layout, mesh_id, output_layout
+from torch_hca.compiler.logical import Holder, ScaleGrad, check_input_layout, mesh_id, output_layout
 from torch_hca.compiler.parameters import register_sharded
-from torch_hca.compiler.rewrites import DTensorRewrites
 
+from torch_hca.api.sharded_forward import wrap_forward
 from torch_hca.compiler.plan_layouts import (Layout, check_uneven, grad_scale, io_layout, io_layouts, resolve_mesh, resolve_plan,
                                             resolve_roles, share_weight)
 
@@ -134,91 +131,6 @@ def _cut_full_tensors(module: nn.Module, state_dict: dict, prefix: str, *_) -> N
         if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
                 and value.shape == p.shape:
             state_dict[prefix + name] = distribute_tensor(value.detach(), p.device_mesh, p.placements, src_data_rank=None)
-
-
-def _wrap_forward(forward):
-    @functools.wraps(forward)
-    def sharded_forward(self, *args, **kwargs):
-        spec: ShardingSpec | None = getattr(self, "_hca_spec", None)
-        if spec is None:  # a subclass the decorator did not shard
-            return forward(self, *args, **kwargs)
-        if torch.compiler.is_compiling() and not self.__dict__.get("_hca_dtensor_trace"):
-            if spec.uneven:
-                return _call_uneven(self, spec, args, kwargs)
-            # Dynamo traces the single-device program; the backend places it (docs/theory.md, section 1).
-            return call_logically(self, spec, args, kwargs)
-        args = tuple(tree_map(lambda t, i=i: spec.to_dtensor(t, i), a) for i, a in enumerate(args))
-        kwargs = tree_map(lambda t: spec.to_dtensor(t, None), kwargs)
-        replicated = (Replicate(),) * spec.mesh.ndim
-        buffers = {f"inner.{name}": DTensor.from_local(b, spec.mesh, replicated, run_check=False)
-                   for name, b in self.named_buffers()}  # views: in-place updates reach the buffers
-        # Plain tensors the forward makes (positions, masks, a cache's indices) are the same on
-        # every rank: DTensor takes them as replicated instead of refusing to mix them.
-        with DTensorRewrites(), implicit_replication():
-            out = torch.func.functional_call(self.__dict__["_hca_logical"], buffers, args, kwargs, strict=False)
-        return tree_map(spec.to_local, out)
-
-    sharded_forward._hca_wrapped = True
-    return sharded_forward
-
-
-@torch._dynamo.disable(recursive=False)
-def _call_uneven(module: nn.Module, spec: ShardingSpec, args: tuple, kwargs: dict) -> Any:
-    """The compiled call of a module whose arguments are cut by shares (torch_hca.compiler.checks.uneven).
-
-    Run outside Dynamo's trace, and only this frame: Dynamo compiles the frames it calls, so
-    the two around `_traced_call` are disabled whole. Each uneven dimension is marked
-    dynamic, so that every rank, whatever its rows, traces one program; each result's
-    cotangent is weighted by this rank's share, which differs by rank and so stays out of it.
-    """
-    _mark_uneven(spec, args, kwargs)
-    traced = module.__dict__.get("_hca_traced_call")
-    if traced is None:
-        # A code object of its own per module: Dynamo keys its cache by code object, and a frame
-        # shared by modules would turn the ints they differ by (the mesh's index) symbolic.
-        code = _traced_call.__code__.replace(co_name=f"_traced_call_{len(_TRACED_CALLS)}")
-        traced = module.__dict__["_hca_traced_call"] = types.FunctionType(code, _traced_call.__globals__)
-        _TRACED_CALLS.append(code.co_name)
-    return _weighted(spec, traced(module, spec, args, kwargs))
-
-
-_TRACED_CALLS: list[str] = []
-
-
-def _traced_call(module: nn.Module, spec: ShardingSpec, args: tuple, kwargs: dict) -> Any:
-    return call_logically(module, spec, args, kwargs)
-
-
-@torch._dynamo.disable
-def _mark_uneven(spec: ShardingSpec, args: tuple, kwargs: dict) -> None:
-    pieces = [(a, spec.input_layout(i)) for i, a in enumerate(args)] + [(v, spec.input_layout(None)) for v in kwargs.values()]
-    for value, layout in pieces:
-        for t in tree_leaves(value):
-            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
-                for _, p in uneven_dims(layout):
-                    # maybe_: a piece of one row stays static (Dynamo specializes sizes 0 and 1).
-                    torch._dynamo.maybe_mark_dynamic(t, p.dim % t.dim())
-
-
-@torch._dynamo.disable
-def _weighted(spec: ShardingSpec, out: Any) -> Any:
-    """The results, each cut by shares with its cotangent times this rank's `share_weight`."""
-    def weighted(t):
-        if not isinstance(t, torch.Tensor) or not t.requires_grad:
-            return t
-        return spec.weighted(t, output_layout(t, spec.outputs, 1.0)[0])
-    return tree_map(weighted, out)
-
-
-def trace_over_dtensor(module: nn.Module) -> nn.Module:
-    """Let Dynamo trace `module` over its DTensors, as torch.compile does without hca.
-
-    For baselines (the bench's DTensor + Inductor contestant). The hca backend
-    still compiles such a graph, but it inherits DTensor's limits: every value
-    made in ``forward`` must be a DTensor, and DTensor's choices come first.
-    """
-    module.__dict__["_hca_dtensor_trace"] = True
-    return module
 
 
 def _plan_lines(module: nn.Module, spec: ShardingSpec) -> list[str]:
@@ -336,7 +248,7 @@ def sharded(
                     _shard_instance(self, plan, mesh, inputs, outputs, grad_reduction, loss_reduction)
 
             target.__init__ = sharded_init
-            target.forward = _wrap_forward(target.forward)
+            target.forward = wrap_forward(target.forward)
             return target
         raise PlanError(
             f"hca.sharded decorates an nn.Module class or instance, not {type(target).__name__}"
@@ -398,7 +310,7 @@ def _new_sharded(cls: type, made: bool, world_size: int) -> nn.Module:
 def _sharded_subclass(cls: type) -> type:
     """The class `sharded(...)(instance)` gives an instance of `cls`: its forward wrapped, picklable."""
     sub = type(cls.__name__, (cls,), {
-        "forward": _wrap_forward(cls.forward), "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+        "forward": wrap_forward(cls.forward), "__module__": cls.__module__, "__qualname__": cls.__qualname__,
     })
     support_pickling(sub, made=True)
     return sub

@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_leaves
 
 from torch_hca.compiler import attention
 from torch_hca.compiler import dtensor_ops
-from torch_hca.compiler.layout import candidates as layout_candidates
+from torch_hca.compiler.layout.probes import call_node
 from torch_hca.compiler import randomness
 from torch_hca.compiler.layout.candidates import op_name, source_line
 from torch_hca._torch_private import fake_dtensor_work
@@ -131,7 +131,7 @@ class Lifted:
             return
         args, kwargs = self._values(node)
         if not any(isinstance(a, DTensor) for a in tree_leaves((args, kwargs))):
-            self.env[node] = layout_candidates.call_node(self.gm, node, args, kwargs)  # plain: every rank alike
+            self.env[node] = call_node(self.gm, node, args, kwargs)  # plain: every rank alike
             return
         for src in node.all_input_nodes:
             if isinstance(self.env.get(src), torch.Tensor) and not isinstance(self.env[src], DTensor):
@@ -144,7 +144,7 @@ class Lifted:
         args, kwargs = self._values(node)
         before = len(self._drawn)  # what `run` records while this node lifts
         try:
-            value = layout_candidates.call_node(self.gm, node, args, kwargs)
+            value = call_node(self.gm, node, args, kwargs)
         except UnsupportedError:
             raise
         except Exception as e:  # DTensor has no rule for it: run it whole on every rank
@@ -288,7 +288,7 @@ class Lifted:
             graph.erase_node(u)
             self.erased.add(u)
             args, kwargs = self._values(new)
-            self._set(new, layout_candidates.call_node(self.gm, new, args, kwargs))
+            self._set(new, call_node(self.gm, new, args, kwargs))
         graph.erase_node(node)
 
     def _functionalize(self, node: fx.Node, target: fx.Node) -> Any:
@@ -323,7 +323,7 @@ class Lifted:
                 user.replace_input_with(target, node)
         self.decisions.append(f"{node.name}: in-place update of {target.name} made out of place")
         args, kwargs = self._values(node)
-        return layout_candidates.call_node(self.gm, node, args, kwargs)
+        return call_node(self.gm, node, args, kwargs)
 
 
 def _slice_of(whole, pieces, i: int) -> tuple[int, int]:
@@ -392,7 +392,7 @@ def _failing_backward(gm: fx.GraphModule, aten: str) -> fx.Node | None:
             try:
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: leaf(n.meta.get("example_value")))
                 inputs = [a for a in tree_leaves((args, kwargs)) if isinstance(a, DTensor) and a.requires_grad]
-                out = layout_candidates.call_node(gm, node, args, kwargs)
+                out = call_node(gm, node, args, kwargs)
                 if inputs and isinstance(out, DTensor) and out.requires_grad:
                     torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
             except Exception as e:  # noqa: BLE001 - looking for the one that fails like the program did

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from numbers import Real
 from typing import Any
 
-from torch_hca.spmd.cost_model import DEFAULTS, CostModel, backend_for, base_model, with_overrides
+from torch_hca.spmd.calibration_cache import base_model
+from torch_hca.spmd.cost_model import DEFAULTS, CostModel, backend_for, with_overrides
 from torch_hca.errors import OptionsError
 
 INNER = ("eager", "inductor", "dtensor")
@@ -129,18 +130,7 @@ class Options:
         if layout == "tune" and inner == "dtensor":
             raise OptionsError("backend 'hca': options layout='tune' times compiled programs, and inner='dtensor' "
                                "compiles none; use inner='eager' or 'inductor' with it")
-        numbers = {}
-        for key in ("memory_weight", "memory_budget", "solver_time_limit_s", "bucket_cap_mb", "max_in_flight_mb"):
-            if key in options and not (key in ("memory_budget", "bucket_cap_mb") and options[key] is None):
-                value = options[key]
-                if isinstance(value, bool) or not isinstance(value, Real) or value < 0:
-                    raise OptionsError(f"backend 'hca': options[{key!r}] must be a number >= 0, got {value!r}")
-                if not math.isfinite(value):  # NaN passes `< 0`; the solver (scipy) would fail on either
-                    raise OptionsError(
-                        f"backend 'hca': options[{key!r}] must be a finite number, got {value!r}"
-                        + ("; leave it out or give None for no bound" if key in ("memory_budget", "bucket_cap_mb") else "")
-                    )
-                numbers[key] = float(value)
+        numbers = _numbers(options)
         overrides = options.get("cost_model") or {}
         if not isinstance(overrides, Mapping):
             raise OptionsError(
@@ -152,15 +142,7 @@ class Options:
             raise OptionsError(
                 f"backend 'hca': options['debug_dir'] must be a directory path, got {debug_dir!r}"
             )
-        strategy = options.get("strategy")
-        if strategy is not None:
-            if not isinstance(strategy, (str, os.PathLike)):
-                raise OptionsError(f"backend 'hca': options['strategy'] must be the path of a strategy file, "
-                                   f"got {strategy!r}; write it with hca.report(compiled).save_strategy(path)")
-            if layout == "tune":
-                raise OptionsError("backend 'hca': options strategy= and layout='tune' both choose the layout; "
-                                   "leave one out")
-            strategy = os.fspath(strategy)
+        strategy = _strategy(options.get("strategy"), layout)
         return cls(
             inner=inner, strategy=strategy, strict=options.get("strict", False), debug_dir=debug_dir,
             rank_rewrites=options.get("rank_rewrites", False), layout=layout, tune_rounds=tune_rounds,
@@ -184,3 +166,33 @@ class Options:
         elif given:
             source += f" with overrides of {', '.join(given)}"
         return with_overrides(base, dict(self.cost_model)), source
+
+
+def _numbers(options: dict[str, Any]) -> dict[str, float]:
+    """The numeric options given, each checked: a finite number >= 0 (None: no bound, where allowed)."""
+    numbers = {}
+    for key in ("memory_weight", "memory_budget", "solver_time_limit_s", "bucket_cap_mb", "max_in_flight_mb"):
+        if key in options and not (key in ("memory_budget", "bucket_cap_mb") and options[key] is None):
+            value = options[key]
+            if isinstance(value, bool) or not isinstance(value, Real) or value < 0:
+                raise OptionsError(f"backend 'hca': options[{key!r}] must be a number >= 0, got {value!r}")
+            if not math.isfinite(value):  # NaN passes `< 0`; the solver (scipy) would fail on either
+                raise OptionsError(
+                    f"backend 'hca': options[{key!r}] must be a finite number, got {value!r}"
+                    + ("; leave it out or give None for no bound" if key in ("memory_budget", "bucket_cap_mb") else "")
+                )
+            numbers[key] = float(value)
+    return numbers
+
+
+def _strategy(strategy: Any, layout: str) -> str | None:
+    """options['strategy'] checked: the path of a strategy file, and not with layout='tune'."""
+    if strategy is not None:
+        if not isinstance(strategy, (str, os.PathLike)):
+            raise OptionsError(f"backend 'hca': options['strategy'] must be the path of a strategy file, "
+                               f"got {strategy!r}; write it with hca.report(compiled).save_strategy(path)")
+        if layout == "tune":
+            raise OptionsError("backend 'hca': options strategy= and layout='tune' both choose the layout; "
+                               "leave one out")
+        strategy = os.fspath(strategy)
+    return strategy

@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
-from torch_hca.api.plan import sharded, trace_over_dtensor
+from torch_hca.api.plan import sharded
+from torch_hca.api.sharded_forward import trace_over_dtensor
 from ..spmd.collective_kinds import Kind, bytes_per_rank
 from . import zoo
 

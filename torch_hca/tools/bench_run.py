@@ -281,7 +281,7 @@ def hca_costs(cfg: RunConfig, mesh, progress: Progress) -> tuple[dict, str]:
 
     The bench never writes the user's cache: a calibration measured under the bench's own
     load (its contestants, its rounds) would decide every later compile on this machine."""
-    from torch_hca.spmd.cost_model import when
+    from torch_hca.spmd.calibration_cache import when
 
     if cfg.default_costs:
         return DEFAULTS[backend_for(mesh.device_type)].as_dict(), "defaults"

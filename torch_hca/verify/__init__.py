@@ -18,9 +18,12 @@ from typing import Any
 
 from torch_hca.errors import StrategyError
 
-from .rules import GRAPH_RULES, Graph, Problem, mesh_and_model, structure
+from .collective_rules import collectives, groups, issued, owed
+from .rules import Graph, Problem, mesh_and_model, moves, parameters, partial_reduced, placements, structure
 
 __all__ = ["Problem", "Verification", "problems", "verify"]
+
+GRAPH_RULES = (placements, parameters, partial_reduced, moves, collectives, owed, issued, groups)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """What the layout solver chooses from: each op's candidate strategies, found by asking DTensor.
 
 Every combination of input layouts an op may read (`offered_read`, limited by
-`MAX_COMBOS`) is run on fake DTensors (`probe`; on a mesh of several dims, only
+`MAX_COMBOS`) is run on fake DTensors (`probes.probe`; on a mesh of several dims, only
 where each dim's part runs alone on that dim's 1-D mesh); the ones DTensor executes
 without redistributing on its own are kept, with the output layout its sharding
 rule gives and the op's compute time under the cost model. Parameters keep
@@ -18,20 +18,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from torch_hca.compiler import attention, dtensor_ops
-from torch_hca._torch_private import quiet_cpu_alltoall_fallback, record_implicit_redistributions
 from torch_hca.spmd.cost_model import CostModel, smallest_matmul_dim
 from torch_hca.spmd.collective_nodes import nbytes
 from torch_hca.spmd.op_families import TORCH_MATMULS, TORCH_VIEWS, torch_flops
-from torch_hca.spmd.placements import letter
 from torch_hca.errors import UnsupportedError
 from torch_hca.compiler.logical import local_shape
+from torch_hca.compiler.layout.probes import probe, submeshes
 
 Layout = tuple[Placement, ...]
 PARAMETER = "parameter storage"
@@ -107,7 +105,7 @@ class Op:
     is_parameter: bool = False      # its moves and gradient reductions are bucketed
 
 
-# ----------------------------------------------------------------------------- candidates and probes
+# ----------------------------------------------------------------------------- candidates
 
 
 def split_factor(p: Placement, n: int) -> int:
@@ -147,94 +145,6 @@ def candidate_layouts(value: DTensor, mesh: DeviceMesh, storage: Layout | None) 
 
 def _divides(size: Any, n: int) -> bool:
     return isinstance(size, int) and size % n == 0 and size >= n
-
-
-def _fake_dtensor(like: DTensor, layout: Layout, mesh: DeviceMesh | None = None) -> DTensor:
-    """A DTensor of `like`'s global shape in `layout` over `mesh` (default: `like`'s mesh)."""
-    mesh = mesh if mesh is not None else like.device_mesh
-    data = torch.empty(local_shape(like.shape, layout, mesh.shape), dtype=like.dtype, device=like._local_tensor.device)
-    return DTensor.from_local(data, mesh, layout, run_check=False, shape=like.shape, stride=like.stride())
-
-
-def call_node(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> Any:
-    """Run one FX node on given arguments (the layout pass and the probes both do)."""
-    if node.op == "call_function":
-        return node.target(*args, **kwargs)
-    if node.op == "call_method":
-        return getattr(args[0], node.target)(*args[1:], **kwargs)
-    if node.op == "call_module":
-        return gm.get_submodule(node.target)(*args, **kwargs)
-    if node.op == "get_attr":
-        return _attr(gm, node.target)
-    raise UnsupportedError(f"layout: unexpected node kind {node.op} at {node.name}")
-
-
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _describe_arg(a: Any) -> Any:
-    if isinstance(a, torch.Tensor):
-        return ("tensor", tuple(a.shape), a.dtype)
-    if isinstance(a, (int, float, bool, str, type(None), torch.dtype, torch.device)):
-        return a
-    return repr(a)
-
-
-# (op, args described, layouts) -> (output layout or None) ; shared by every compile in the process
-_PROBES: dict[Any, Layout | None] = {}
-
-
-def probe(gm: fx.GraphModule, node: fx.Node, slots: list[fx.Node], layouts: tuple[Layout, ...], value_of,
-          mesh: DeviceMesh | None = None) -> Layout | None:
-    """The layout DTensor writes when `node` reads `slots` in `layouts` over `mesh` (default: the
-    traced values' mesh); None if it would redistribute."""
-    swap = dict(zip(slots, layouts))
-    described = fx.node.map_arg((node.args, node.kwargs), lambda n: ("slot", slots.index(n)) if n in swap else _describe_arg(value_of(n)))
-    target = node.target if node.op != "call_module" else type(gm.get_submodule(node.target))
-    mesh = mesh if mesh is not None else value_of(slots[0]).device_mesh
-    key = (node.op, target, repr(described), tuple(tuple(map(letter, lay)) for lay in layouts),
-           tuple(tuple(value_of(s).shape) for s in slots), tuple(mesh.shape))
-    if key in _PROBES:
-        return _PROBES[key]
-    args, kwargs = fx.node.map_arg(
-        (node.args, node.kwargs), lambda n: _fake_dtensor(value_of(n), swap[n], mesh) if n in swap else value_of(n)
-    )
-    result = None
-    try:
-        # A probe that makes DTensor move Shard(i) -> Shard(j) on a CPU mesh would log its
-        # gloo all_to_all fallback warning: about a move the program may never make.
-        with record_implicit_redistributions() as events, quiet_cpu_alltoall_fallback():
-            out = call_node(gm, node, args, kwargs)
-        # Only plain Shard / Replicate / Partial results: DTensor cannot always move a
-        # _StridedShard (a flattened dim whose inner part is sharded) while tracing,
-        # and its view rules mislabel some (tests/test_op_families.py, KNOWN_WRONG).
-        if not events and isinstance(out, DTensor) and all(type(p) in (Shard, Replicate, Partial) for p in out.placements):
-            result = tuple(out.placements)
-    except Exception:  # a combination DTensor has no rule for
-        result = None
-    _PROBES[key] = result
-    return result
-
-
-def _submeshes(mesh: DeviceMesh) -> list[tuple[int, DeviceMesh]]:
-    """(mesh dim, its 1-D mesh) for each dim of a mesh of two or more dims with more than one rank.
-
-    DTensor builds a sharding rule on several mesh dims as the product of its rules on one
-    (`expand_to_full_mesh_op_strategy`), so a combination of layouts runs without moving
-    data only if each mesh dim's part of it does alone. Probing those parts first on each
-    dim's 1-D mesh (a few milliseconds, cached across combinations) skips most full
-    probes, which cost ~45 ms each on a 2 x 2 mesh: 395 of a two-layer MLP's 457 found
-    nothing, and its compile took 19 s. Should some rule break that product form, the
-    solver loses a candidate, never gains a wrong one: each kept combination is still
-    probed whole.
-    """
-    if mesh.ndim < 2 or mesh.mesh_dim_names is None:
-        return []
-    return [(m, mesh[name]) for m, name in enumerate(mesh.mesh_dim_names) if mesh.shape[m] > 1]
 
 
 def _smallest_matmul_dim(first: int, inputs: list[Any], out: Any, layouts: tuple[Layout, ...], out_layout: Layout,
@@ -340,10 +250,10 @@ def _probe_op(gm, node, slots, value, mesh, model: CostModel, storage_of, ops: d
     strategies = []
     inputs = [value_of(s) for s in slots]
     combos = list(itertools.product(*per_slot))
-    submeshes = _submeshes(mesh)
+    meshes_1d = submeshes(mesh)
     each_dim_runs = [layouts for layouts in combos
                      if all(probe(gm, node, slots, tuple((lay[m],) for lay in layouts), value_of, sub) is not None
-                            for m, sub in submeshes)]
+                            for m, sub in meshes_1d)]
     for layouts in each_dim_runs or combos:  # none: probe every combination, as without the shortcut
         out = probe(gm, node, slots, layouts, value_of)
         if out is None:

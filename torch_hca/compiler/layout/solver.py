@@ -42,13 +42,10 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 import torch.fx as fx
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
 
 from torch_hca.compiler.layout.candidates import Layout, Op, Strategy, split_factor, value_bytes
-from torch_hca.spmd.collective_kinds import Kind, cotangent_letter, move_kind
-from torch_hca.spmd.placements import layout_str, letter
-from torch_hca.spmd.cost_model import CostModel
+from torch_hca.compiler.layout.move_costs import Costs
+from torch_hca.spmd.placements import layout_str
 from torch_hca.errors import PlanError
 from torch_hca.runtime.exchange import exchange, needs_exchange
 
@@ -61,73 +58,6 @@ class Solution:
     status: str
     seconds: float
     explain: list[dict[str, Any]] = field(default_factory=list)
-
-
-# ----------------------------------------------------------------------------- layouts and moves
-
-
-class Costs:
-    """Edge and value costs on one mesh, for one cost model."""
-
-    def __init__(self, mesh: DeviceMesh, model: CostModel):
-        self.mesh = mesh
-        self.model = model
-        self.sizes = tuple(mesh.shape)
-
-    def payload(self, nbytes: float, a: Layout, b: Layout, m: int) -> float:
-        """Bytes of the tensor one group of mesh dimension `m` works on."""
-        other = 1
-        for k, n in enumerate(self.sizes):
-            if k != m:
-                other *= max(split_factor(a[k], n), split_factor(b[k], n))
-        return nbytes / other
-
-    def collective(self, kind: Kind, payload: float, n: int, bucket: tuple | None, used: dict | None) -> float:
-        """One collective's seconds; a bucketed one pays bandwidth and notes its bucket in `used`.
-
-        `used` is a dict used as an insertion-ordered set: the integer program's variables are
-        made in its order, which must not depend on the hash seed (it differs per rank, and a
-        bucket holds a `Kind`, whose hash is its name's), or ranks may break ties differently.
-        """
-        if bucket is None:
-            return self.model.collective_s(kind, payload, n)
-        if used is not None and self.model.bandwidth_s(kind, payload, n) > 0:
-            used[bucket] = None
-        return self.model.bandwidth_s(kind, payload, n)
-
-    def bucket_latency(self, bucket: tuple) -> float:
-        """The latency one bucket (direction, kind, mesh dim) pays once."""
-        _, kind, m = bucket
-        return self.model.collective_s(kind, 0, self.sizes[m])
-
-    def forward(self, nbytes: float, src: Layout, dst: Layout, bucketed: bool = False, used: dict | None = None) -> float:
-        total = 0.0
-        for m, n in enumerate(self.sizes):
-            kind = move_kind(letter(src[m]), letter(dst[m]))
-            if kind is not None:
-                bucket = ("forward", kind, m) if bucketed else None
-                total += self.collective(kind, self.payload(nbytes, src, dst, m), n, bucket, used)
-        return total
-
-    def backward(self, nbytes: float, src: Layout, dst: Layout, varying: tuple[bool, ...],
-                 bucketed: bool = False, used: dict | None = None) -> tuple[float, list[int]]:
-        """Transposes of the move src -> dst, and the mesh dims whose reduction the value owes."""
-        total, owed = 0.0, []
-        for m, n in enumerate(self.sizes):
-            arrives, needed = cotangent_letter(dst[m], varying[m]), cotangent_letter(src[m])
-            if isinstance(src[m], Replicate) and isinstance(dst[m], Replicate):
-                if arrives == "P":
-                    owed.append(m)  # summed over consumers first, reduced once (see `reduction`)
-                continue
-            kind = move_kind(arrives, needed)
-            if kind is not None:
-                bucket = ("backward", kind, m) if bucketed else None
-                total += self.collective(kind, self.payload(nbytes, src, dst, m), n, bucket, used)
-        return total, owed
-
-    def reduction(self, nbytes: float, layout: Layout, m: int, bucketed: bool = False, used: dict | None = None) -> float:
-        bucket = ("backward", Kind.ALL_REDUCE, m) if bucketed else None
-        return self.collective(Kind.ALL_REDUCE, self.payload(nbytes, layout, layout, m), self.sizes[m], bucket, used)
 
 
 # ----------------------------------------------------------------------------- the integer program
@@ -224,46 +154,47 @@ def _own_cost(s: Strategy, memory_weight: float) -> float:
     return s.compute_s + memory_weight * s.memory_bytes
 
 
-def solve(ops: list[Op], costs: Costs, *, memory_weight: float = 0.0, memory_budget: float | None = None,
-          time_limit_s: float = 10.0) -> Solution:
-    """The cheapest strategy for every op (exact within the time limit, else greedy)."""
-    start = time.perf_counter()
-    _check_budget(ops, memory_budget)
-    prog = _Program()
-    y: dict[tuple[int, int], int] = {}
-    for i, op in enumerate(ops):
-        for j, s in enumerate(op.strategies):
-            y[i, j] = prog.var(_own_cost(s, memory_weight))
-        prog.row({y[i, j]: 1.0 for j in range(len(op.strategies))}, 1.0, 1.0)
-    index = {id(op): i for i, op in enumerate(ops)}
-    # Activation memory per rank: each op's result, and each redistribution's copy.
-    memory = {y[i, j]: s.memory_bytes for i, op in enumerate(ops) for j, s in enumerate(op.strategies)}
-    owed_vars: dict[tuple[int, Layout, int], int] = {}
+class _Formulation:
+    """The integer program of one solve: a binary per (op, strategy) and per chosen edge pair,
+    and the variables choices share: a bucket's latency, a value's owed reduction."""
 
-    bucket_vars: dict[tuple, int] = {}
+    def __init__(self, ops: list[Op], costs: Costs, memory_weight: float):
+        self.ops, self.costs, self.memory_weight = ops, costs, memory_weight
+        self.prog = prog = _Program()
+        self.y: dict[tuple[int, int], int] = {}
+        for i, op in enumerate(ops):
+            for j, s in enumerate(op.strategies):
+                self.y[i, j] = prog.var(_own_cost(s, memory_weight))
+            prog.row({self.y[i, j]: 1.0 for j in range(len(op.strategies))}, 1.0, 1.0)
+        self.index = {id(op): i for i, op in enumerate(ops)}
+        # Activation memory per rank: each op's result, and each redistribution's copy.
+        self.memory = {self.y[i, j]: s.memory_bytes for i, op in enumerate(ops) for j, s in enumerate(op.strategies)}
+        self.owed_vars: dict[tuple[int, Layout, int], int] = {}
+        self.bucket_vars: dict[tuple, int] = {}
 
-    def at_least(var: int, on: dict[int, float]) -> None:
+    def at_least(self, var: int, on: dict[int, float]) -> None:
         """var >= the sum of `on` (binaries of which at most one is set)."""
-        prog.row({var: 1.0, **{v: -c for v, c in on.items()}}, 0.0, np.inf)
+        self.prog.row({var: 1.0, **{v: -c for v, c in on.items()}}, 0.0, np.inf)
 
-    def in_buckets(used: dict, on: dict[int, float]) -> None:
+    def in_buckets(self, used: dict, on: dict[int, float]) -> None:
         """Choosing `on` puts collectives in these buckets: each bucket pays its latency once."""
         for b in sorted(used, key=_bucket_order):  # variables in an order every rank shares
-            if b not in bucket_vars:
-                bucket_vars[b] = prog.var(costs.bucket_latency(b))
-            at_least(bucket_vars[b], on)
+            if b not in self.bucket_vars:
+                self.bucket_vars[b] = self.prog.var(self.costs.bucket_latency(b))
+            self.at_least(self.bucket_vars[b], on)
 
-    def owe(pi: int, out: Layout, m: int, on: dict[int, float]) -> None:
+    def owe(self, pi: int, out: Layout, m: int, on: dict[int, float]) -> None:
         """The value `pi` (written as `out`) owes one reduction on mesh dim m when `on` is chosen."""
         k = (pi, out, m)
-        if k not in owed_vars:
+        if k not in self.owed_vars:
             used: dict = {}
-            owed_vars[k] = prog.var(_reduction(costs, ops[pi], out, m, used), integral=False)
-            in_buckets(used, {owed_vars[k]: 1.0})
-        at_least(owed_vars[k], on)
+            self.owed_vars[k] = self.prog.var(_reduction(self.costs, self.ops[pi], out, m, used), integral=False)
+            self.in_buckets(used, {self.owed_vars[k]: 1.0})
+        self.at_least(self.owed_vars[k], on)
 
-    for e in _edges(ops):
-        pi, ci = index[id(e.producer)], index[id(e.consumer)]
+    def add_edge(self, e: _Edge) -> None:
+        prog, y = self.prog, self.y
+        pi, ci = self.index[id(e.producer)], self.index[id(e.consumer)]
         outs = list(dict.fromkeys(s.output for s in e.producer.strategies))
         keys = list(dict.fromkeys(_key(s, e.slot) for s in e.consumer.strategies))
         out_vars = {o: {y[pi, j]: 1.0 for j, s in enumerate(e.producer.strategies) if s.output == o} for o in outs}
@@ -271,9 +202,9 @@ def solve(ops: list[Op], costs: Costs, *, memory_weight: float = 0.0, memory_bud
         pairs: dict[tuple, int] = {}
         for o, k in itertools.product(outs, keys):
             used: dict = {}
-            fw, bw, owed = _edge_cost(costs, e, o, k, used)
-            moved = _moved_bytes(costs, e, o, k)
-            cost = fw + bw + memory_weight * moved
+            fw, bw, owed = _edge_cost(self.costs, e, o, k, used)
+            moved = _moved_bytes(self.costs, e, o, k)
+            cost = fw + bw + self.memory_weight * moved
             if len(outs) == 1 or len(keys) == 1:
                 # One end has a single choice: the pair is chosen with the other end's binary.
                 on = key_vars[k] if len(outs) == 1 else out_vars[o]
@@ -283,20 +214,30 @@ def solve(ops: list[Op], costs: Costs, *, memory_weight: float = 0.0, memory_bud
                 on = {prog.var(cost): 1.0}
                 pairs[o, k] = next(iter(on))
             for v in on:
-                memory[v] = memory.get(v, 0.0) + moved
+                self.memory[v] = self.memory.get(v, 0.0) + moved
             for m in owed:
-                owe(pi, o, m, on)
-            in_buckets(used, on)
+                self.owe(pi, o, m, on)
+            self.in_buckets(used, on)
         if pairs:  # both ends choose: the pair binaries' marginals are the ends' binaries
             for o in outs:
                 prog.row({**{pairs[o, k]: 1.0 for k in keys}, **{v: -1.0 for v in out_vars[o]}}, 0.0, 0.0)
             for k in keys:
                 prog.row({**{pairs[o, k]: 1.0 for o in outs}, **{v: -1.0 for v in key_vars[k]}}, 0.0, 0.0)
+
+
+def solve(ops: list[Op], costs: Costs, *, memory_weight: float = 0.0, memory_budget: float | None = None,
+          time_limit_s: float = 10.0) -> Solution:
+    """The cheapest strategy for every op (exact within the time limit, else greedy)."""
+    start = time.perf_counter()
+    _check_budget(ops, memory_budget)
+    f = _Formulation(ops, costs, memory_weight)
+    for e in _edges(ops):
+        f.add_edge(e)
     if memory_budget is not None:
-        prog.row(memory, 0.0, memory_budget)
-    result = prog.solve(time_limit_s)
+        f.prog.row(f.memory, 0.0, memory_budget)
+    result = f.prog.solve(time_limit_s)
     if result.x is not None:
-        choice = {op.node: op.strategies[max(range(len(op.strategies)), key=lambda j: result.x[y[i, j]])]
+        choice = {op.node: op.strategies[max(range(len(op.strategies)), key=lambda j: result.x[f.y[i, j]])]
                   for i, op in enumerate(ops)}
         status = "optimal" if result.status == 0 else f"time limit ({result.message})"
         bound = getattr(result, "mip_dual_bound", None)

@@ -1,0 +1,113 @@
+"""The forward of a sharded module (`hca.sharded`): plain tensors in, plain tensors out.
+
+Eager calls run the user's forward over DTensors (`wrap_forward`); under Dynamo the
+single-device program is traced (`call_logically`) for the backend to place, and a call
+whose arguments are cut by shares runs outside the trace (`_call_uneven`).
+`trace_over_dtensor` lets Dynamo trace over the DTensors instead (a baseline).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.utils._pytree import tree_leaves, tree_map
+
+from torch_hca.compiler.logical import call_logically, output_layout
+from torch_hca.compiler.rewrites import DTensorRewrites
+from torch_hca.spmd.shares import uneven_dims
+
+if TYPE_CHECKING:
+    from torch_hca.api.plan import ShardingSpec
+
+
+def wrap_forward(forward):
+    """`forward` as a sharded module runs it: plain tensors in and out, the work on DTensors."""
+
+    @functools.wraps(forward)
+    def sharded_forward(self, *args, **kwargs):
+        spec: ShardingSpec | None = getattr(self, "_hca_spec", None)
+        if spec is None:  # a subclass the decorator did not shard
+            return forward(self, *args, **kwargs)
+        if torch.compiler.is_compiling() and not self.__dict__.get("_hca_dtensor_trace"):
+            if spec.uneven:
+                return _call_uneven(self, spec, args, kwargs)
+            # Dynamo traces the single-device program; the backend places it (docs/theory.md, section 1).
+            return call_logically(self, spec, args, kwargs)
+        args = tuple(tree_map(lambda t, i=i: spec.to_dtensor(t, i), a) for i, a in enumerate(args))
+        kwargs = tree_map(lambda t: spec.to_dtensor(t, None), kwargs)
+        replicated = (Replicate(),) * spec.mesh.ndim
+        buffers = {f"inner.{name}": DTensor.from_local(b, spec.mesh, replicated, run_check=False)
+                   for name, b in self.named_buffers()}  # views: in-place updates reach the buffers
+        # Plain tensors the forward makes (positions, masks, a cache's indices) are the same on
+        # every rank: DTensor takes them as replicated instead of refusing to mix them.
+        with DTensorRewrites(), implicit_replication():
+            out = torch.func.functional_call(self.__dict__["_hca_logical"], buffers, args, kwargs, strict=False)
+        return tree_map(spec.to_local, out)
+
+    sharded_forward._hca_wrapped = True
+    return sharded_forward
+
+
+@torch._dynamo.disable(recursive=False)
+def _call_uneven(module: nn.Module, spec: ShardingSpec, args: tuple, kwargs: dict) -> Any:
+    """The compiled call of a module whose arguments are cut by shares (torch_hca.compiler.checks.uneven).
+
+    Run outside Dynamo's trace, and only this frame: Dynamo compiles the frames it calls, so
+    the two around `_traced_call` are disabled whole. Each uneven dimension is marked
+    dynamic, so that every rank, whatever its rows, traces one program; each result's
+    cotangent is weighted by this rank's share, which differs by rank and so stays out of it.
+    """
+    _mark_uneven(spec, args, kwargs)
+    traced = module.__dict__.get("_hca_traced_call")
+    if traced is None:
+        # A code object of its own per module: Dynamo keys its cache by code object, and a frame
+        # shared by modules would turn the ints they differ by (the mesh's index) symbolic.
+        code = _traced_call.__code__.replace(co_name=f"_traced_call_{len(_TRACED_CALLS)}")
+        traced = module.__dict__["_hca_traced_call"] = types.FunctionType(code, _traced_call.__globals__)
+        _TRACED_CALLS.append(code.co_name)
+    return _weighted(spec, traced(module, spec, args, kwargs))
+
+
+_TRACED_CALLS: list[str] = []
+
+
+def _traced_call(module: nn.Module, spec: ShardingSpec, args: tuple, kwargs: dict) -> Any:
+    return call_logically(module, spec, args, kwargs)
+
+
+@torch._dynamo.disable
+def _mark_uneven(spec: ShardingSpec, args: tuple, kwargs: dict) -> None:
+    pieces = [(a, spec.input_layout(i)) for i, a in enumerate(args)] + [(v, spec.input_layout(None)) for v in kwargs.values()]
+    for value, layout in pieces:
+        for t in tree_leaves(value):
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                for _, p in uneven_dims(layout):
+                    # maybe_: a piece of one row stays static (Dynamo specializes sizes 0 and 1).
+                    torch._dynamo.maybe_mark_dynamic(t, p.dim % t.dim())
+
+
+@torch._dynamo.disable
+def _weighted(spec: ShardingSpec, out: Any) -> Any:
+    """The results, each cut by shares with its cotangent times this rank's `share_weight`."""
+    def weighted(t):
+        if not isinstance(t, torch.Tensor) or not t.requires_grad:
+            return t
+        return spec.weighted(t, output_layout(t, spec.outputs, 1.0)[0])
+    return tree_map(weighted, out)
+
+
+def trace_over_dtensor(module: nn.Module) -> nn.Module:
+    """Let Dynamo trace `module` over its DTensors, as torch.compile does without hca.
+
+    For baselines (the bench's DTensor + Inductor contestant). The hca backend
+    still compiles such a graph, but it inherits DTensor's limits: every value
+    made in ``forward`` must be a DTensor, and DTensor's choices come first.
+    """
+    module.__dict__["_hca_dtensor_trace"] = True
+    return module
