@@ -17,8 +17,12 @@ def test_wheel_contains_passes_and_backends(tmp_path):
     )
     (wheel,) = tmp_path.glob("torch_hca-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for package, folder in (("torch_hca", "torch_hca"), ("torch_hca/passes", "passes"), ("torch_hca/backends", "backends"),
-                            ("torch_hca/tools", "torch_hca/tools")):
+    # Every subpackage (a folder with an __init__.py), each module of it: one left out of
+    # pyproject's package list is silently missing from the wheel.
+    folders = {"torch_hca/passes": "passes", "torch_hca/backends": "backends"}
+    folders |= {p.parent.relative_to(ROOT).as_posix(): p.parent.relative_to(ROOT).as_posix()
+                for p in (ROOT / "torch_hca").rglob("__init__.py")}
+    for package, folder in folders.items():
         sources = {p.name for p in (ROOT / folder).glob("*.py")}
         assert sources and {f"{package}/{s}" for s in sources} <= names, f"{folder}/ missing from the wheel"
     assert not any(n.startswith(("passes/", "backends/", "tests/")) for n in names), "a bare top-level package leaked"
