@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -147,6 +148,33 @@ def cat(tensors, dim: int = 0, *, out=None):
     ``torch.tensor([])``): DTensor would lay such a piece out like the others and fail."""
     kept = [t for t in tensors if not (t.dim() == 1 and t.numel() == 0)]
     return torch.cat(kept or list(tensors), dim, out=out) if out is not None else torch.cat(kept or list(tensors), dim)
+
+
+def convolution(conv):
+    """`conv` (``F.conv1d``/``2d``/``3d``) with a weight and bias stored split (an FSDP-style plan)
+    gathered first, as FSDP gathers them, and an input split other than over its batch gathered:
+    DTensor's convolution rule assumes those replicated."""
+
+    def gathered(input, weight, bias=None, *args, **kwargs):
+        input = _replicated(input, keep=lambda p: p.is_shard(0))
+        weight, bias = _replicated(weight), _replicated(bias)
+        return conv(input, weight, bias, *args, **kwargs)
+
+    return gathered
+
+
+def batch_norm(input, running_mean, running_var, weight=None, bias=None, *args, **kwargs):
+    """``F.batch_norm`` with a weight and bias stored split over channels gathered first: DTensor
+    would split the channels of the input and of copies of the running statistics, and the
+    module's own buffers would miss the update."""
+    return F.batch_norm(input, running_mean, running_var, _replicated(weight), _replicated(bias), *args, **kwargs)
+
+
+def _replicated(t, keep=lambda p: False):
+    """`t` with each placement that is not replicated (or kept) made replicated."""
+    if not isinstance(t, DTensor) or all(p.is_replicate() or keep(p) for p in t.placements):
+        return t
+    return t.redistribute(t.device_mesh, [p if p.is_replicate() or keep(p) else Replicate() for p in t.placements])
 
 
 def _repeat_kv(t, heads: int):
