@@ -23,8 +23,13 @@ import torch
 import torch.fx as fx
 from functorch.compile import make_boxed_func
 
-from torch_hca._torch_private import (copy_graph_module, group_backend, group_rank, inductor_random_as_eager,
-                                   inductor_waits_late)
+from torch_hca._torch_private import (
+    copy_graph_module,
+    group_backend,
+    group_rank,
+    inductor_random_as_eager,
+    inductor_waits_late,
+)
 from torch_hca.compiler.randomness import graph_draws
 from torch_hca.spmd.events import is_view, written
 from torch_hca.spmd.op_families import UNANNOTATED_VIEWS
@@ -84,8 +89,13 @@ def _scatters_on_gloo(gm: fx.GraphModule) -> list[fx.Node]:
     for rs in gm.graph.find_nodes(op="call_function", target=_REDUCE_SCATTER):
         x, op, n, group = rs.args[:4]
         val = x.meta.get("val") if isinstance(x, fx.Node) else None
-        if (op == "sum" and isinstance(val, torch.Tensor) and isinstance(val.shape[0], int) and val.shape[0] % n == 0
-                and scatter_runs_as_all_reduce(group_backend(group), val.device.type)):
+        if (
+            op == "sum"
+            and isinstance(val, torch.Tensor)
+            and isinstance(val.shape[0], int)
+            and val.shape[0] % n == 0
+            and scatter_runs_as_all_reduce(group_backend(group), val.device.type)
+        ):
             found.append(rs)
     return found
 
@@ -108,7 +118,7 @@ def _scatter_by_all_reduce(gm: fx.GraphModule) -> bool:
             total = graph.call_function(_ALL_REDUCE, (x, op, group))
             mine = graph.call_function(torch.ops.aten.slice.Tensor, (total, 0, start, start + rows))
         total.meta["val"] = torch.empty_like(x.meta["val"])
-        mine.meta["val"] = total.meta["val"][start:start + rows]
+        mine.meta["val"] = total.meta["val"][start : start + rows]
         rs.replace_all_uses_with(mine)
         graph.erase_node(rs)
         for wait in [u for u in mine.users if u.target is _WAIT]:
@@ -121,8 +131,11 @@ def _scatter_by_all_reduce(gm: fx.GraphModule) -> bool:
 
 def _skippable_detaches(gm: fx.GraphModule) -> list[fx.Node]:
     """Detaches only ops read: an output keeps its own tensor (AOTAutograd checks outputs' aliasing)."""
-    return [n for n in gm.graph.find_nodes(op="call_function", target=_DETACH)
-            if n.users and all(u.op == "call_function" for u in n.users)]
+    return [
+        n
+        for n in gm.graph.find_nodes(op="call_function", target=_DETACH)
+        if n.users and all(u.op == "call_function" for u in n.users)
+    ]
 
 
 def _reductions_in_place(gm: fx.GraphModule) -> list[fx.Node]:

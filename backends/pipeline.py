@@ -26,7 +26,13 @@ from functorch.compile import default_partition
 from torch._dynamo.backends.common import aot_autograd
 from torch.distributed.tensor import DTensor
 
-from torch_hca._torch_private import graph_arg_example, group_size, inductor_random_as_eager, no_donated_buffers, size_hint
+from torch_hca._torch_private import (
+    graph_arg_example,
+    group_size,
+    inductor_random_as_eager,
+    no_donated_buffers,
+    size_hint,
+)
 from torch_hca.compiler.checks.agreement import InputAgreement
 from torch_hca.spmd.collective_kinds import RULES
 from torch_hca.spmd.collective_nodes import OPS, node_group, node_payload, payload_bytes
@@ -37,9 +43,21 @@ from torch_hca.compiler.lifting import dtensor_failure
 from torch_hca.compiler.randomness import generators_kept, without_dead_draws
 from torch_hca.compiler.checks.spmd_check import check_same_collectives
 from torch_hca.compiler.checks.refinement import check_refinement
-from torch_hca.compiler.checks.uneven import (check_forward_collectives, check_sizes_only_shape, drop_whole_slices,
-                                             uneven_options, uneven_shares, weight_partial_means)
-from torch_hca.report.compile_report import CollectiveRecord, CompileReport, GraphReport, new_graph_report, next_graph_index
+from torch_hca.compiler.checks.uneven import (
+    check_forward_collectives,
+    check_sizes_only_shape,
+    drop_whole_slices,
+    uneven_options,
+    uneven_shares,
+    weight_partial_means,
+)
+from torch_hca.report.compile_report import (
+    CollectiveRecord,
+    CompileReport,
+    GraphReport,
+    new_graph_report,
+    next_graph_index,
+)
 from torch_hca.spmd.placements import dtype_str, layout_str
 from torch_hca.report.parallelism import sentence
 from torch_hca.passes.collective_rewrites import REWRITE, CollectiveRewritePass, agree_across_ranks, no_rank_rewrites
@@ -77,7 +95,7 @@ STAGES: tuple[tuple[str, type | None], ...] = (
 def _passes(first: str, last: str) -> tuple[type, ...]:
     """The passes of the stages from `first` to `last`, both included, in order."""
     names = [name for name, _ in STAGES]
-    return tuple(p for _, p in STAGES[names.index(first):names.index(last) + 1] if p is not None)
+    return tuple(p for _, p in STAGES[names.index(first) : names.index(last) + 1] if p is not None)
 
 
 # TORCH_LOGS="torch_hca" (INFO): one sentence per compiled graph saying which parallelism runs.
@@ -89,8 +107,10 @@ def _figures(report: GraphReport) -> str:
     figures, source = report.layout.cost_model, report.layout.cost_model_source
     if not figures:
         return ""
-    return (f"; cost model: {source}: compute {figures['flops_per_s'] / 1e9:.3g} GFLOP/s, "
-            f"links {figures['bytes_per_s'] / 1e9:.3g} GB/s")
+    return (
+        f"; cost model: {source}: compute {figures['flops_per_s'] / 1e9:.3g} GFLOP/s, "
+        f"links {figures['bytes_per_s'] / 1e9:.3g} GB/s"
+    )
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Options) -> Callable:
@@ -128,8 +148,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], options: Option
     return _agreed(compiled, agreement, logical is not None or communicates)
 
 
-def _tune_candidates(gm: fx.GraphModule, example_inputs: list[Any], options: Options,
-                     device_type: str) -> tuple[list[Candidate], list[str]]:
+def _tune_candidates(
+    gm: fx.GraphModule, example_inputs: list[Any], options: Options, device_type: str
+) -> tuple[list[Candidate], list[str]]:
     """Each distinct program of `tune.candidate_options`, laid out and lowered (option layout="tune"),
     and "label: why" of each that did not compile."""
     by_program: dict[str, Candidate] = {}
@@ -203,15 +224,23 @@ def lower(gm: fx.GraphModule, example_inputs: list[Any], ctx: PassContext) -> Ca
         report.forward = run_pass(SchedulePass("forward"), fw, ctx)
         _record_collectives(report, fw, "forward")
         compiled = emit(report.forward, inputs, options.inner)
-        return _checked_first_run(compiled, report.schedules["forward"]["per_group"], f"graph {report.index} forward",
-                                  _call_times(report, "forward"))
+        return _checked_first_run(
+            compiled,
+            report.schedules["forward"]["per_group"],
+            f"graph {report.index} forward",
+            _call_times(report, "forward"),
+        )
 
     def backward_compiler(bw: fx.GraphModule, inputs):
         report.backward = run_pass(SchedulePass("backward"), bw, ctx)
         _record_collectives(report, bw, "backward")
         compiled = emit(report.backward, inputs, options.inner, is_backward=True)
-        return _checked_first_run(compiled, report.schedules["backward"]["per_group"], f"graph {report.index} backward",
-                                  _call_times(report, "backward"))
+        return _checked_first_run(
+            compiled,
+            report.schedules["backward"]["per_group"],
+            f"graph {report.index} backward",
+            _call_times(report, "backward"),
+        )
 
     def inference_compiler(fw: fx.GraphModule, inputs):
         report.inference = True
@@ -293,8 +322,9 @@ def _refinement_checked(compiled: Callable, logical: fx.GraphModule, report_of: 
     return run
 
 
-def _checked_first_run(compiled: Callable, per_group: dict[str, list[str]], what: str,
-                       times: collections.deque | None) -> Callable:
+def _checked_first_run(
+    compiled: Callable, per_group: dict[str, list[str]], what: str, times: collections.deque | None
+) -> Callable:
     """`compiled`, checking on its first call that every rank issues the same collectives,
     and keeping the wall time of each later call in `times` (`CompileReport.measured`; None:
     not timed, as on CUDA, whose calls return before their kernels finish).
@@ -353,12 +383,18 @@ def _describe_inputs(gm: fx.GraphModule, report: GraphReport) -> None:
             continue
         if report.mesh is None:
             mesh = real.device_mesh
-            report.mesh = {"shape": list(mesh.shape), "names": list(mesh.mesh_dim_names or ()), "device_type": mesh.device_type}
+            report.mesh = {
+                "shape": list(mesh.shape),
+                "names": list(mesh.mesh_dim_names or ()),
+                "device_type": mesh.device_type,
+            }
         name = parameter_name(real)
         if name is not None:
             report.parameters[name] = {
-                "shape": list(real.shape), "dtype": dtype_str(real.dtype),
-                "placements": layout_str(real.placements), "graph_input": node.name,
+                "shape": list(real.shape),
+                "dtype": dtype_str(real.dtype),
+                "placements": layout_str(real.placements),
+                "graph_input": node.name,
             }
 
 
@@ -371,10 +407,22 @@ def _record_collectives(report: GraphReport, gm: fx.GraphModule, direction: str)
         group = node_group(node)
         n = group_size(group)
         payload = size_hint(payload_bytes(node))  # the example's sizes, where they are symbolic
-        report.collectives.append(CollectiveRecord(
-            kind=info.kind.value, group=group, group_size=n, bytes=payload,
-            wire_bytes=RULES[info.kind].wire_bytes(payload, n), direction=direction,
-            node=node.name, dtype=str(vals[0].dtype), shape=tuple(size_hint(s) for s in vals[0].shape),
-            partner=node.meta.get(PARTNER),
-            rule="; ".join(filter(None, [node.meta.get(RULE, ""), node.meta.get(REWRITE) and f"rewritten by {node.meta[REWRITE]}"])),
-        ))
+        report.collectives.append(
+            CollectiveRecord(
+                kind=info.kind.value,
+                group=group,
+                group_size=n,
+                bytes=payload,
+                wire_bytes=RULES[info.kind].wire_bytes(payload, n),
+                direction=direction,
+                node=node.name,
+                dtype=str(vals[0].dtype),
+                shape=tuple(size_hint(s) for s in vals[0].shape),
+                partner=node.meta.get(PARTNER),
+                rule="; ".join(
+                    filter(
+                        None, [node.meta.get(RULE, ""), node.meta.get(REWRITE) and f"rewritten by {node.meta[REWRITE]}"]
+                    )
+                ),
+            )
+        )

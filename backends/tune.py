@@ -83,8 +83,14 @@ class Tuned:
     """The compiled graph under ``layout="tune"``: times the candidates on its first call,
     then runs the one kept."""
 
-    def __init__(self, candidates: list[Candidate], rounds: int, device_type: str, failed: list[str] = (),
-                 costs: CostModel | None = None):
+    def __init__(
+        self,
+        candidates: list[Candidate],
+        rounds: int,
+        device_type: str,
+        failed: list[str] = (),
+        costs: CostModel | None = None,
+    ):
         """`failed`: the candidates that did not compile, each "label: why" (shown in the report);
         `costs`: the calibrated model, which predicts each candidate's time beside its measure."""
         self.candidates, self.rounds, self.device_type, self.failed = candidates, rounds, device_type, list(failed)
@@ -117,7 +123,7 @@ class Tuned:
             times: list[list[float]] = [[] for _ in self.candidates]
             for r in range(self.rounds if len(self.candidates) > 1 else 0):
                 order = list(range(len(self.candidates)))
-                for i in order[r % len(order):] + order[:r % len(order)]:  # each round starts elsewhere
+                for i in order[r % len(order) :] + order[: r % len(order)]:  # each round starts elsewhere
                     c = self.candidates[i]
                     times[i].append(_run(c.compiled, args, leaves, cotangents[id(c)], sync)[0])
         finally:
@@ -150,11 +156,18 @@ class Tuned:
         """The kept program's report lists every candidate's time; the others' are dropped."""
         kept = self.kept
         kept.report.tuning = {
-            "kept": kept.label, "kept_graph": kept.report.index, "rounds": self.rounds,
-            "candidates": [{"layout": " = ".join([c.label, *c.same_as]), "graph": c.report.index,
-                            "median_s": slowest[i] if slowest else None,  # None: nothing timed
-                            "predicted_s": self._predicted_s(c) if slowest else None}
-                           for i, c in enumerate(self.candidates)],
+            "kept": kept.label,
+            "kept_graph": kept.report.index,
+            "rounds": self.rounds,
+            "candidates": [
+                {
+                    "layout": " = ".join([c.label, *c.same_as]),
+                    "graph": c.report.index,
+                    "median_s": slowest[i] if slowest else None,  # None: nothing timed
+                    "predicted_s": self._predicted_s(c) if slowest else None,
+                }
+                for i, c in enumerate(self.candidates)
+            ],
             "failed": self.failed,
             # The calibrated figures: hca.report's timeline and measured() price the kept program with
             # these, not with the scaled ones it may have been laid out under.
@@ -171,15 +184,23 @@ class Tuned:
         return CompileReport([c.report]).timeline(self.costs).after.total_s
 
 
-def _run(compiled: Callable, args: list[Any], leaves: list[torch.Tensor], cotangents: list[torch.Tensor] | None,
-         sync: Callable[[], None]) -> tuple[float, list[torch.Tensor]]:
+def _run(
+    compiled: Callable,
+    args: list[Any],
+    leaves: list[torch.Tensor],
+    cotangents: list[torch.Tensor] | None,
+    sync: Callable[[], None],
+) -> tuple[float, list[torch.Tensor]]:
     """Seconds of one forward and backward (the backward when grad mode is on and an output
     needs one), and the cotangents it pulled back (made on the first run: the same each time)."""
     sync()
     start = time.perf_counter()
     out = compiled(*args)
-    outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
-            if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()]
+    outs = [
+        o
+        for o in (out if isinstance(out, (tuple, list)) else (out,))
+        if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()
+    ]
     if cotangents is None:
         cotangents = fixed_cotangents(outs)
     if outs and leaves:
@@ -188,7 +209,9 @@ def _run(compiled: Callable, args: list[Any], leaves: list[torch.Tensor], cotang
     return time.perf_counter() - start, cotangents
 
 
-def _by_rank(topic: str, labels: list[str], values: list[Any], graph: int, parse: Callable[[str], Any]) -> dict[int, list]:
+def _by_rank(
+    topic: str, labels: list[str], values: list[Any], graph: int, parse: Callable[[str], Any]
+) -> dict[int, list]:
     """Every rank's `values`, one per candidate (through the rendezvous store; just this rank's
     on one rank). Ranks that compiled other candidates (which the solver's determinism rules
     out) are an error."""
@@ -202,8 +225,10 @@ def _by_rank(topic: str, labels: list[str], values: list[Any], graph: int, parse
     for rank, t in sorted(texts.items()):
         rows = [line.split("\t") for line in t.split("\n")]
         if [label for label, _ in rows] != labels:
-            raise CheckError(f"{what}: rank {rank} timed the candidates {[label for label, _ in rows]} but rank "
-                             f"{dist.get_rank()} timed {labels}: the ranks compiled different layouts; give every "
-                             "rank the same model, plan, options and calibration")
+            raise CheckError(
+                f"{what}: rank {rank} timed the candidates {[label for label, _ in rows]} but rank "
+                f"{dist.get_rank()} timed {labels}: the ranks compiled different layouts; give every "
+                "rank the same model, plan, options and calibration"
+            )
         out[rank] = [parse(v) for _, v in rows]
     return out

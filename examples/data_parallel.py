@@ -30,24 +30,27 @@ def main():
     mesh = hca.init_mesh()
     torch.manual_seed(0)
     layers = [m for _ in range(4) for m in (nn.Linear(32, 32), nn.ReLU())]
-    model = hca.sharded({}, mesh=mesh, inputs=Shard(0), outputs=Shard(0),
-                        grad_reduction="deferred", loss_reduction="mean")(nn.Sequential(*layers))
+    model = hca.sharded(
+        {}, mesh=mesh, inputs=Shard(0), outputs=Shard(0), grad_reduction="deferred", loss_reduction="mean"
+    )(nn.Sequential(*layers))
     compiled = torch.compile(model, backend="hca")
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     for step in range(3):
         for _ in range(MICROBATCHES):
-            batch = torch.randn(16 * world, 32)          # the global batch, same on every rank
+            batch = torch.randn(16 * world, 32)  # the global batch, same on every rank
             target = torch.randn(16 * world, 32)
             local, local_target = batch.chunk(world)[rank], target.chunk(world)[rank]  # this rank's rows
             F.mse_loss(compiled(local), local_target).backward()  # this rank's loss, as under DDP
-        buckets = hca.reduce_gradients(model)           # one all-reduce per bucket
+        buckets = hca.reduce_gradients(model)  # one all-reduce per bucket
         opt.step()
         opt.zero_grad()
     if rank == 0:
         print(f"collectives in the graphs: {hca.report(compiled).collective_counts()}")
-        print(f"reduce_gradients: {len(buckets)} bucket(s), {sum(b.bytes for b in buckets)} bytes, "
-              f"{sum(len(b.parameters) for b in buckets)} parameters")
+        print(
+            f"reduce_gradients: {len(buckets)} bucket(s), {sum(b.bytes for b in buckets)} bytes, "
+            f"{sum(len(b.parameters) for b in buckets)} parameters"
+        )
 
 
 if __name__ == "__main__":

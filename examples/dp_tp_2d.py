@@ -1,5 +1,7 @@
 """Data and tensor parallel together on a (dp, tp) mesh.
 
+Run:
+
     torchrun --nproc-per-node 4 examples/dp_tp_2d.py    # dp=2 x tp=2
     python examples/dp_tp_2d.py                          # 4 local gloo ranks
 """
@@ -18,7 +20,7 @@ def main():
     mesh = hca.init_mesh((world // 2, 2), ("dp", "tp"))
     torch.manual_seed(0)
     plan = {"fc1.*": (Replicate(), Shard(0)), "fc2.weight": (Replicate(), Shard(1))}
-    io = (Shard(0), Replicate())       # batch split over dp, whole over tp
+    io = (Shard(0), Replicate())  # batch split over dp, whole over tp
     model = hca.sharded(plan, mesh=mesh, inputs=io, outputs=io)(zoo.MLP(64, 256))
     compiled = torch.compile(model, backend="hca")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -33,10 +33,12 @@ def main():
     rows = [BATCH * s // sum(SHARES) for s in SHARES]
     start = sum(rows[:rank])
     x, target = torch.randn(BATCH, 32), torch.randn(BATCH, 32)  # the global batch, the same on every rank
-    F.mse_loss(compiled(x[start:start + rows[rank]]), target[start:start + rows[rank]]).backward()
+    F.mse_loss(compiled(x[start : start + rows[rank]]), target[start : start + rows[rank]]).backward()
     F.mse_loss(one_device(x), target).backward()
-    worst = max(((p.grad.full_tensor() - q.grad).norm() / q.grad.norm()).item()
-                for p, q in zip(model.parameters(), one_device.parameters()))
+    worst = max(
+        ((p.grad.full_tensor() - q.grad).norm() / q.grad.norm()).item()
+        for p, q in zip(model.parameters(), one_device.parameters())
+    )
     if rank == 0:
         print(hca.report(compiled).parallelism())
         print(f"rows per rank: {rows}; max gradient relative error against one device: {worst:.1e}")

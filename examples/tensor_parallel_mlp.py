@@ -1,5 +1,7 @@
 """Megatron-style tensor-parallel MLP: fc1 column-parallel, fc2 row-parallel.
 
+Run:
+
     python examples/tensor_parallel_mlp.py                      # 2 local gloo ranks
     torchrun --nproc-per-node 4 examples/tensor_parallel_mlp.py
 """
@@ -26,8 +28,8 @@ class MLP(nn.Module):
 
 
 def main():
-    hca.init_mesh()                      # the decorator uses the current mesh
-    torch.manual_seed(0)                 # same data on every rank (inputs are replicated)
+    hca.init_mesh()  # the decorator uses the current mesh
+    torch.manual_seed(0)  # same data on every rank (inputs are replicated)
     model = MLP()
     compiled = torch.compile(model, backend="hca")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

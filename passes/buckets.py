@@ -73,10 +73,10 @@ class Member:
     coll: fx.Node
     wait: fx.Node
     key: tuple
-    ready: int   # position of the latest input in the traced graph
-    need: int    # position of the first consumer of the result
+    ready: int  # position of the latest input in the traced graph
+    need: int  # position of the first consumer of the result
     nbytes: int  # payload bytes (collective_nodes.payload_bytes)
-    bit: int = 0       # this candidate's bit
+    bit: int = 0  # this candidate's bit
     upstream: int = 0  # bits of the candidates whose results its input is computed from
 
 
@@ -205,8 +205,10 @@ class _Builder:
 def _split_back(b: _Builder, coll: fx.Node, sizes: list[int], members: list[Member]) -> list[fx.Node]:
     """The bucket's waited result cut into the members' results, each in its own shape."""
     parts = b(aten.split_with_sizes.default, b(WAIT, coll), sizes)
-    return [b(aten.view.default, b(operator.getitem, parts, i), list(m.wait.meta["val"].shape))
-            for i, m in enumerate(members)]
+    return [
+        b(aten.view.default, b(operator.getitem, parts, i), list(m.wait.meta["val"].shape))
+        for i, m in enumerate(members)
+    ]
 
 
 def _merge_all_reduce(b: _Builder, members: list[Member]) -> tuple[fx.Node, list[fx.Node]]:
@@ -245,8 +247,9 @@ def _merge_all_gather(b: _Builder, members: list[Member]) -> tuple[fx.Node, list
 MERGE = {ALL_REDUCE: _merge_all_reduce, REDUCE_SCATTER: _merge_reduce_scatter, ALL_GATHER: _merge_all_gather}
 
 
-def _anchor(graph: fx.Graph, members: list[Member], after: dict[fx.Node, fx.Node],
-            late: dict[fx.Node, None]) -> tuple[fx.Node, fx.Node]:
+def _anchor(
+    graph: fx.Graph, members: list[Member], after: dict[fx.Node, fx.Node], late: dict[fx.Node, None]
+) -> tuple[fx.Node, fx.Node]:
     """Where a bucket goes: after its latest member input (after the placeholders), and
     after any bucket already placed there, so buckets keep the order they formed in,
     unless that bucket already reads one of these members' results."""
@@ -273,8 +276,9 @@ def _late_descendants(bucket: list[Member], late: dict[fx.Node, None]) -> list[f
     return [n for n in late if n in found]
 
 
-def merge(graph: fx.Graph, bucket: list[Member], anchors: dict[fx.Node, fx.Node], mode,
-          late: dict[fx.Node, None]) -> fx.Node:
+def merge(
+    graph: fx.Graph, bucket: list[Member], anchors: dict[fx.Node, fx.Node], mode, late: dict[fx.Node, None]
+) -> fx.Node:
     """Rewrite one bucket into one collective under the graph's fake mode; returns it.
 
     What only finishes a member's result (views, chunks, copies: late nodes) may
@@ -324,7 +328,14 @@ def bucket_collectives(graph: fx.Graph, which: str, cap_bytes: float) -> list[di
         for bucket in buckets[:1] if chained else buckets:
             members_bytes = [[m.coll.name, m.nbytes] for m in bucket]
             coll = merge(graph, bucket, anchors, mode, late)
-            done.append({"collective": coll.name, "kind": bucket[0].key[0], "group": bucket[0].key[1],
-                         "bytes": sum(nb for _, nb in members_bytes), "members": members_bytes})
+            done.append(
+                {
+                    "collective": coll.name,
+                    "kind": bucket[0].key[0],
+                    "group": bucket[0].key[1],
+                    "bytes": sum(nb for _, nb in members_bytes),
+                    "members": members_bytes,
+                }
+            )
         if not chained:
             return done

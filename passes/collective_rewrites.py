@@ -51,6 +51,7 @@ class Applied:
 
 # ---------------------------------------------------------------- the driver
 
+
 class Builder:
     """Inserts the nodes a rule makes and gives each its ``meta["val"]`` by fake propagation."""
 
@@ -96,8 +97,12 @@ def agree_across_ranks(keys: list[str]) -> set[str]:
     if not needs_exchange():
         return set(keys)
     by_hash = {hashlib.sha256(k.encode()).hexdigest()[:14]: k for k in keys}
-    posted = exchange("rewrites", ",".join(sorted(by_hash)), range(dist.get_world_size()),
-                      "collective rewrites (turn options['rank_rewrites'] off if the ranks compile different graphs)")
+    posted = exchange(
+        "rewrites",
+        ",".join(sorted(by_hash)),
+        range(dist.get_world_size()),
+        "collective rewrites (turn options['rank_rewrites'] off if the ranks compile different graphs)",
+    )
     common = set(by_hash)
     for text in posted.values():
         common &= set(filter(None, text.split(",")))
@@ -124,7 +129,9 @@ class _Rewriter:
 
     def apply(self, r: Rule, m: Match) -> None:
         if len(self.applied) >= self.limit:
-            raise CheckError(f"collective rewrites: no fixed point after {self.limit} rewrites (last: {r.name}); a rule undoes another")
+            raise CheckError(
+                f"collective rewrites: no fixed point after {self.limit} rewrites (last: {r.name}); a rule undoes another"
+            )
         b = Builder(self.graph, self.mode, r, m.nodes[-1])
         replace = m.build(b)
         for old, new in replace.items():
@@ -164,7 +171,8 @@ class _Rewriter:
 
 
 def rewrite_collectives(
-    gm: fx.GraphModule, agree: Callable[[list[str]], set[str]] = agree_across_ranks,
+    gm: fx.GraphModule,
+    agree: Callable[[list[str]], set[str]] = agree_across_ranks,
 ) -> list[Applied]:
     """Apply the rules to a fixed point, in place; return what was applied, in order.
 

@@ -25,7 +25,7 @@ class PassContext:
     report: GraphReport
     example_inputs: list[Any] = field(default_factory=list)
     origins: Any = None  # passes/origins.py's `Origins` of the DTensor program, once tagged
-    owed: Any = None     # passes/transpose.py's `Owed`: the backward as derived, before later passes
+    owed: Any = None  # passes/transpose.py's `Owed`: the backward as derived, before later passes
     rewritten: set[str] = field(default_factory=set)  # collective nodes the rewrite pass replaced
     last_published: tuple[str, str] | None = None  # (name, text) the log and trace showed last
 
@@ -39,7 +39,7 @@ class PassResult:
 
 class Pass(Protocol):
     name: str
-    reads: str   # the IR the pass expects
+    reads: str  # the IR the pass expects
     writes: str  # the IR it leaves
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult: ...
@@ -61,8 +61,8 @@ def for_log(text: str, suffix: str = "py", width: int = LOG_WIDTH) -> str:
     lines = []
     for line in text.splitlines():
         while len(line) > width:
-            lines.append(line[:width - 2] + " \\")
-            line = "    " + line[width - 2:]
+            lines.append(line[: width - 2] + " \\")
+            line = "    " + line[width - 2 :]
         lines.append(line)
     return "\n".join(lines)
 

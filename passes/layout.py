@@ -31,7 +31,11 @@ from torch_hca.compiler.layout.probes import call_node
 from torch_hca.compiler.layout import solver as layout_solver
 from torch_hca.compiler.layout.move_costs import Costs
 from torch_hca._torch_private import (
-    RedistributionEvent, fake_dtensor_work, graph_arg_example, is_mask_partial, mask_buffer_states,
+    RedistributionEvent,
+    fake_dtensor_work,
+    graph_arg_example,
+    is_mask_partial,
+    mask_buffer_states,
     record_implicit_redistributions,
 )
 from torch_hca.spmd.collective_kinds import move_kind
@@ -91,7 +95,9 @@ class LayoutPass:
                 decisions = self._solve(gm, ctx) if ctx.options.layout == "solve" else []
             implicit = self._rewrite(gm, ctx)
         if loaded is not None:
-            strategy_replay.check_replayed(loaded, ctx.report.values, ctx.report.redistributions, f"graph {ctx.report.index}")
+            strategy_replay.check_replayed(
+                loaded, ctx.report.values, ctx.report.redistributions, f"graph {ctx.report.index}"
+            )
         elif ctx.options.layout == "dtensor":
             ctx.report.layout = LayoutRecord("none (DTensor's per-op choices)")
         # After the solver, a move DTensor still wanted means a strategy it mis-predicted.
@@ -109,7 +115,8 @@ class LayoutPass:
         if symbolic is not None:
             # Divisibility of a symbolic size is unknown: keep DTensor's choices.
             ctx.report.layout = LayoutRecord(
-                f"none (dynamic shapes: {symbolic} has a symbolic size; DTensor's per-op choices kept)")
+                f"none (dynamic shapes: {symbolic} has a symbolic size; DTensor's per-op choices kept)"
+            )
             return []
         model, source = ctx.options.costs_and_source(mesh.device_type)
         start = time.perf_counter()
@@ -123,13 +130,22 @@ class LayoutPass:
         o = ctx.options
         solution_start = time.perf_counter()
         solution = layout_solver.solve(
-            ops, Costs(mesh, model), memory_weight=o.memory_weight,
-            memory_budget=None if o.memory_budget is None else o.memory_budget, time_limit_s=o.solver_time_limit_s,
+            ops,
+            Costs(mesh, model),
+            memory_weight=o.memory_weight,
+            memory_budget=None if o.memory_budget is None else o.memory_budget,
+            time_limit_s=o.solver_time_limit_s,
         )
         ctx.report.layout = LayoutRecord(
-            solution.solver, status=solution.status, objective_s=solution.objective_s, bound_s=solution.bound_s,
-            seconds=solution.seconds, cost_model=model.as_dict(), cost_model_source=source,
-            strategies=sum(len(op.strategies) for op in ops), values=solution.explain,
+            solution.solver,
+            status=solution.status,
+            objective_s=solution.objective_s,
+            bound_s=solution.bound_s,
+            seconds=solution.seconds,
+            cost_model=model.as_dict(),
+            cost_model_source=source,
+            strategies=sum(len(op.strategies) for op in ops),
+            values=solution.explain,
             probe_seconds=solution_start - start,
             # The user's layouts kept (no move where DTensor's rules run an op): the alternative
             # the one-sentence summary names, priced by the same model.
@@ -142,8 +158,13 @@ class LayoutPass:
         """This graph's entry of the strategy file, checked against this model, mesh and world size."""
         mesh = _mesh_of(gm)
         data = strategy_replay.load(ctx.options.strategy)
-        return strategy_replay.match_graph(data, facts, list(mesh.shape) if mesh is not None else [1],
-                                         ctx.report.parameters, f"graph {ctx.report.index}")
+        return strategy_replay.match_graph(
+            data,
+            facts,
+            list(mesh.shape) if mesh is not None else [1],
+            ctx.report.parameters,
+            f"graph {ctx.report.index}",
+        )
 
     def _replay(self, gm: fx.GraphModule, ctx: PassContext, entry: dict) -> list[str]:
         """The strategy file's moves inserted as the solver would have (no probing, no solve)."""
@@ -156,7 +177,8 @@ class LayoutPass:
             if src is None or None in users or not users:
                 raise StrategyError(
                     f"strategy file: graph {ctx.report.index}: a move of {value!r} read by {readers} names a node this "
-                    "program lacks (hand-edited, or another torch)")
+                    "program lacks (hand-edited, or another torch)"
+                )
             first = min(users, key=order.__getitem__)
             with gm.graph.inserting_before(first):
                 node = gm.graph.call_function(dtensor_ops.redistribute, (src, layout))
@@ -165,8 +187,12 @@ class LayoutPass:
             _inherit_source(node, first)
             self._record(ctx, node, src, before, layout, f"{first.name} reads it so (strategy file)")
             decisions.append(f"{node.name}: {src.name} -> {layout_str(layout)} for {first.name} (strategy file)")
-        ctx.report.layout = LayoutRecord(f"strategy file {ctx.options.strategy}", seconds=0.0, probe_seconds=0.0,
-                                         replay_seconds=time.perf_counter() - start)
+        ctx.report.layout = LayoutRecord(
+            f"strategy file {ctx.options.strategy}",
+            seconds=0.0,
+            probe_seconds=0.0,
+            replay_seconds=time.perf_counter() - start,
+        )
         return decisions
 
     def _emit(self, gm: fx.GraphModule, ctx: PassContext, ops, solution) -> list[str]:
@@ -188,7 +214,9 @@ class LayoutPass:
                     node = moved[src, layout]
                     _inherit_source(node, op.node)
                     self._record(ctx, node, src, written, layout, f"{op.node.name} reads it so (layout solver)")
-                    decisions.append(f"{node.name}: {src.name} {layout_str(written)} -> {layout_str(layout)} for {op.node.name}")
+                    decisions.append(
+                        f"{node.name}: {src.name} {layout_str(written)} -> {layout_str(layout)} for {op.node.name}"
+                    )
                 op.node.replace_input_with(src, moved[src, layout])
         return decisions
 
@@ -221,11 +249,20 @@ class LayoutPass:
                     _inherit_source(moved, node)
                     moved.meta["hca_layout"] = ctx.report.values[moved.name] = _value_meta(env[moved])
                     self._record(ctx, moved, src, env[src].placements, placements, f"{node.name} needs it")
-                    decisions.append(f"{moved.name}: {src.name} {layout_str(env[src].placements)} -> {layout_str(placements)} for {node.name}")
+                    decisions.append(
+                        f"{moved.name}: {src.name} {layout_str(env[src].placements)} -> {layout_str(placements)} for {node.name}"
+                    )
                 with record_implicit_redistributions() as events:
                     value = _execute(gm, node, env)
             elif not events and node.op == "call_method" and node.target == "redistribute":
-                self._record(ctx, node, node.args[0], env[node.args[0]].placements, tuple(value.placements), "explicit in the program")
+                self._record(
+                    ctx,
+                    node,
+                    node.args[0],
+                    env[node.args[0]].placements,
+                    tuple(value.placements),
+                    "explicit in the program",
+                )
             for e in events:
                 msg = f"{node.name}: {_describe(e)}"
                 ctx.report.implicit_redistributions.append(msg)
@@ -244,10 +281,15 @@ class LayoutPass:
 
     @staticmethod
     def _record(ctx: PassContext, node: fx.Node, src: fx.Node, before, after, reason: str) -> None:
-        costed = [f"{k.value}@{m}" for m, (b, a) in enumerate(zip(before, after))
-                  if (k := move_kind(letter(b), letter(a))) is not None]
+        costed = [
+            f"{k.value}@{m}"
+            for m, (b, a) in enumerate(zip(before, after))
+            if (k := move_kind(letter(b), letter(a))) is not None
+        ]
         ctx.report.redistributions.append(
-            Redistribution(node.name, src.name, layout_str(before), layout_str(after), reason, ", ".join(costed) or "local")
+            Redistribution(
+                node.name, src.name, layout_str(before), layout_str(after), reason, ", ".join(costed) or "local"
+            )
         )
 
 

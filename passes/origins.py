@@ -28,6 +28,7 @@ from torch_hca.spmd.placements import letter
 
 from .infra import PassContext, PassResult
 
+
 @dataclass(frozen=True)
 class Origin:
     """One node of the DTensor program, as the joint graph's collectives refer to it."""
@@ -35,10 +36,10 @@ class Origin:
     name: str
     op: str
     inputs: tuple[tuple[str, ...], ...]  # each DTensor input's layout, a letter per mesh dim
-    output: tuple[str, ...] | None       # the layout it writes (None: not a DTensor)
-    module: str = ""                     # the module path it came from, if Dynamo recorded one
-    local_view: bool = False             # a traced autograd.Function (hca.collectives): its own backward
-    mesh_names: tuple[str, ...] = ()     # the mesh's dimension names, where it has them
+    output: tuple[str, ...] | None  # the layout it writes (None: not a DTensor)
+    module: str = ""  # the module path it came from, if Dynamo recorded one
+    local_view: bool = False  # a traced autograd.Function (hca.collectives): its own backward
+    mesh_names: tuple[str, ...] = ()  # the mesh's dimension names, where it has them
 
     def dim_label(self, dim: int) -> str:
         """``mesh dim 'tp'`` where the mesh names its dimensions, else ``mesh dim 0``."""
@@ -58,8 +59,11 @@ class Origin:
             steps.append((src, dst))
             layout_in = self.inputs[i] if self.inputs else self.output
             layout_out = self.output if self.output is not None else layout_in
-            if src == dst and src.startswith("S") and any(
-                    a != b and src in (a, b) for k, (a, b) in enumerate(zip(layout_in, layout_out)) if k != dim):
+            if (
+                src == dst
+                and src.startswith("S")
+                and any(a != b and src in (a, b) for k, (a, b) in enumerate(zip(layout_in, layout_out)) if k != dim)
+            ):
                 steps += [(src, "R"), ("R", dst)]
         return steps
 
@@ -101,8 +105,11 @@ def _op(node: fx.Node) -> str:
 
 def _bodies(gm: fx.GraphModule, node: fx.Node) -> list[fx.GraphModule]:
     """The subgraphs a higher-order op such as ``autograd_function_apply`` runs."""
-    return [getattr(gm, a.target) for a in node.args
-            if isinstance(a, fx.Node) and a.op == "get_attr" and isinstance(getattr(gm, a.target, None), fx.GraphModule)]
+    return [
+        getattr(gm, a.target)
+        for a in node.args
+        if isinstance(a, fx.Node) and a.op == "get_attr" and isinstance(getattr(gm, a.target, None), fx.GraphModule)
+    ]
 
 
 def _module(node: fx.Node) -> str:
@@ -134,15 +141,24 @@ class OriginPass:
                     if inner.op == "call_function":
                         set_origin(inner, node.name)
             value = node.meta.get("example_value")
-            inputs = tuple(lay for a in node.all_input_nodes if (lay := _layout(a.meta.get("example_value"))) is not None)
+            inputs = tuple(
+                lay for a in node.all_input_nodes if (lay := _layout(a.meta.get("example_value"))) is not None
+            )
             if node.target is dtensor_ops.to_output:
                 output = tuple(letter(p) for p in node.args[1])
             elif node.target is dtensor_ops.from_local:
                 output = tuple(letter(p) for p in node.args[2])
             else:
                 output = _layout(value)
-            origins.nodes[node.name] = Origin(node.name, _op(node), inputs, output, _module(node),
-                                              local_view=bool(_bodies(gm, node)), mesh_names=names)
+            origins.nodes[node.name] = Origin(
+                node.name,
+                _op(node),
+                inputs,
+                output,
+                _module(node),
+                local_view=bool(_bodies(gm, node)),
+                mesh_names=names,
+            )
             mesh = getattr(value, "device_mesh", None)
             if mesh is not None and not origins.dims:
                 origins.dims = {mesh.get_group(d).group_name: d for d in range(mesh.ndim)}

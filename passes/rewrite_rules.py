@@ -57,8 +57,8 @@ class Piece:
 
 @dataclass(frozen=True)
 class Match:
-    nodes: tuple[fx.Node, ...]                               # what the rule matched
-    build: Callable[["Builder"], dict[fx.Node, fx.Node]]     # makes the new nodes: old -> replacement
+    nodes: tuple[fx.Node, ...]  # what the rule matched
+    build: Callable[["Builder"], dict[fx.Node, fx.Node]]  # makes the new nodes: old -> replacement
 
 
 @dataclass(frozen=True)
@@ -78,10 +78,12 @@ def rule(op: torch._ops.OpOverload, identity: str, rank_dependent: bool = False)
             raise CheckError(f"collective rewrite rule {fn.__name__!r} registered twice")
         RULES.setdefault(op, []).append(Rule(fn.__name__, identity, fn, rank_dependent))
         return fn
+
     return register
 
 
 # ---------------------------------------------------------------- reading the graph
+
 
 def _shape(node) -> tuple[int, ...] | None:
     """The static shape of a tensor node; None when unknown or symbolic."""
@@ -134,7 +136,12 @@ def piece(node: fx.Node | None) -> Piece | None:
     else:
         return None
     shape = _shape(source)
-    if shape is None or type(dim) is not int or step != 1 or not all(type(v) in (int, type(None)) for v in (start, end)):
+    if (
+        shape is None
+        or type(dim) is not int
+        or step != 1
+        or not all(type(v) in (int, type(None)) for v in (start, end))
+    ):
         return None
     dim %= len(shape)
     start, end, _ = slice(start, end).indices(shape[dim])
@@ -161,6 +168,7 @@ def _own(p: Piece | None, n: int, group) -> bool:
 
 
 # ---------------------------------------------------------------- the rules
+
 
 # all_reduce: P -> R. Its sum's own shard is what reduce_scatter (P -> S) computes, at half the wire bytes.
 @rule(c10d.all_reduce.default, "shard_r(all_reduce x) = reduce_scatter x", rank_dependent=True)
@@ -201,9 +209,13 @@ def all_to_all_round_trip(there: fx.Node) -> Match | None:
     x, out_sizes, in_sizes, group = there.args[:4]
     wait = _sole_user(there, WAIT)
     back = [
-        (u, _sole_user(u, WAIT)) for u in (_users(wait) if wait is not None else [])
-        if u.target is there.target and u.args[0] is wait and u.args[3] == group
-        and _ints(u.args[1]) == _ints(in_sizes) is not None and _ints(u.args[2]) == _ints(out_sizes) is not None
+        (u, _sole_user(u, WAIT))
+        for u in (_users(wait) if wait is not None else [])
+        if u.target is there.target
+        and u.args[0] is wait
+        and u.args[3] == group
+        and _ints(u.args[1]) == _ints(in_sizes) is not None
+        and _ints(u.args[2]) == _ints(out_sizes) is not None
     ]
     back = [(u, w) for u, w in back if w is not None]
     if not back:

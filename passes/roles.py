@@ -38,7 +38,9 @@ class CotangentRolePass:
             # gradient partial (the cotangent of S(d) is S(d)): mark only those.
             replicated = any(isinstance(p, Replicate) for p in real.placements)
             if role != "eager" or not replicated or not node.users:
-                decisions.append(f"{name}: {role}" + ("" if replicated else " (sharded on every mesh dimension: never partial)"))
+                decisions.append(
+                    f"{name}: {role}" + ("" if replicated else " (sharded on every mesh dimension: never partial)")
+                )
                 continue
             with gm.graph.inserting_after(node):
                 read = gm.graph.call_function(dtensor_ops.reduce_gradient_eagerly, (node,))

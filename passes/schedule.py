@@ -63,7 +63,7 @@ from .buckets import bucket_collectives
 from torch_hca.spmd.events import is_start, is_view, late_nodes, waits_of, written
 from .infra import PassContext, PassResult
 
-MB = 2 ** 20
+MB = 2**20
 
 
 class SchedulePass:
@@ -98,10 +98,12 @@ class SchedulePass:
             "buckets": buckets,
             "moved": moved,
         }
-        decisions = [f"{b['collective']}: {b['kind']} of {[m for m, _ in b['members']]} ({b['bytes']} bytes)"
-                     for b in buckets]
-        decisions.append(f"{ctx.report.schedules[self.which]['order']}; moved {moved}; "
-                         f"fingerprint {summary.fingerprint}")
+        decisions = [
+            f"{b['collective']}: {b['kind']} of {[m for m, _ in b['members']]} ({b['bytes']} bytes)" for b in buckets
+        ]
+        decisions.append(
+            f"{ctx.report.schedules[self.which]['order']}; moved {moved}; fingerprint {summary.fingerprint}"
+        )
         return PassResult(gm, bool(buckets) or reordered, decisions)
 
 
@@ -109,13 +111,13 @@ def _bucket_cap(gm: fx.GraphModule, ctx: PassContext) -> float:
     """Bytes per bucket: the option, or the cost model's choice for the largest group here."""
     if ctx.options.bucket_cap_mb is not None:
         return ctx.options.bucket_cap_mb * MB
-    sizes = [group_size(node_group(n)) for n in gm.graph.nodes
-             if n.op == "call_function" and n.target in OPS]
+    sizes = [group_size(node_group(n)) for n in gm.graph.nodes if n.op == "call_function" and n.target in OPS]
     device = (ctx.report.mesh or {}).get("device_type", "cpu")
     return ctx.options.costs(device).bucket_cap_bytes(max(sizes, default=1))
 
 
 # ---------------------------------------------------------------- the model
+
 
 def _effect_deps(nodes: list[fx.Node], waits_of: dict[fx.Node, list[fx.Node]]) -> dict[fx.Node, list[fx.Node]]:
     """Orderings that data edges miss: an in-place write after the reads before it (and
@@ -141,6 +143,7 @@ def _effect_deps(nodes: list[fx.Node], waits_of: dict[fx.Node, list[fx.Node]]) -
 
 
 # ---------------------------------------------------------- the reordering
+
 
 class _Scheduler:
     """Lists the nodes: compute in traced order, starts hoisted, waits pulled on demand."""
@@ -168,7 +171,7 @@ class _Scheduler:
                 self.dependents.setdefault(d, []).append(s)
         self.bound = bound_bytes
         self.placed: dict[fx.Node, None] = {}
-        self.ready: list[fx.Node] = []       # starts whose dependencies have run, traced order
+        self.ready: list[fx.Node] = []  # starts whose dependencies have run, traced order
         self.in_flight: dict[fx.Node, int] = {}  # start -> waits still to run (insertion order: FIFO)
         self.in_bytes = 0
         self.forced = 0

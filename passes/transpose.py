@@ -44,7 +44,9 @@ def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     """Every node that depends on a tangent input."""
     seen: set[fx.Node] = set()
     for node in graph.nodes:
-        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(a in seen for a in node.all_input_nodes):
+        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
+            a in seen for a in node.all_input_nodes
+        ):
             seen.add(node)
     return seen
 
@@ -67,16 +69,28 @@ class Owed:
     group: str
     numel: int | None
     origin: str | None
-    inputs: tuple[str, ...]   # what it reduces or moves
+    inputs: tuple[str, ...]  # what it reduces or moves
     readers: tuple[str, ...]  # who reads its result (through its wait), as node@argument
 
     @staticmethod
     def of(node: fx.Node) -> "Owed":
         waits = [w for w in node.users if w.target is WAIT] or [node]
-        readers = sorted(f"{r.name}@{i}" for w in waits for r in w.users
-                         for i, a in enumerate(tree_leaves((r.args, r.kwargs))) if a is w)
-        return Owed(node.name, node_kind(node), node_group(node), numel_of(node), origin_of(node),
-                    tuple(a.name for a in node.all_input_nodes), tuple(readers))
+        readers = sorted(
+            f"{r.name}@{i}"
+            for w in waits
+            for r in w.users
+            for i, a in enumerate(tree_leaves((r.args, r.kwargs)))
+            if a is w
+        )
+        return Owed(
+            node.name,
+            node_kind(node),
+            node_group(node),
+            numel_of(node),
+            origin_of(node),
+            tuple(a.name for a in node.all_input_nodes),
+            tuple(readers),
+        )
 
     def differences(self, now: "Owed", names: set[str]) -> list[str]:
         """What changed from `self` to `now`; readers only where no rewrite replaced one (`names`: the graph's nodes)."""
@@ -85,7 +99,11 @@ class Owed:
         if graph_names(self.readers) <= names and graph_names(now.readers) <= names:
             fields.append("readers")
         show = lambda v: v.value if isinstance(v, Kind) else v
-        return [f"{f} {show(getattr(self, f))} -> {show(getattr(now, f))}" for f in fields if getattr(self, f) != getattr(now, f)]
+        return [
+            f"{f} {show(getattr(self, f))} -> {show(getattr(now, f))}"
+            for f in fields
+            if getattr(self, f) != getattr(now, f)
+        ]
 
 
 def _unproven(ctx: PassContext, node: fx.Node, why: str) -> str:
@@ -118,10 +136,14 @@ def _transposes(fw: fx.Node, origin: Origin, dim: int | None) -> set[Kind]:
 def _unpaired_rule(kind: Kind, origin: Origin, dim: int | None) -> str:
     steps = origin.transition(dim) if dim is not None and not origin.local_view else []
     if kind is Kind.ALL_REDUCE and any(src == "R" for src, _ in steps):
-        return (f"cotangent reduction for {origin.describe(dim)}: the partial cotangents of a value it reads, "
-                f"replicated over {origin.dim_label(dim)}, summed")
+        return (
+            f"cotangent reduction for {origin.describe(dim)}: the partial cotangents of a value it reads, "
+            f"replicated over {origin.dim_label(dim)}, summed"
+        )
     if kind is Kind.ALL_GATHER and any(src == "R" and dst.startswith("S") for src, dst in steps):
-        return f"transpose of the local chunk (R -> S) in {origin.describe(dim)}: zero-embed, then sum, as one all_gather"
+        return (
+            f"transpose of the local chunk (R -> S) in {origin.describe(dim)}: zero-embed, then sum, as one all_gather"
+        )
     return f"backward of {origin.describe(dim)}, as the move table allows"
 
 
@@ -140,21 +162,36 @@ class TransposePass:
             origin = origins.get(origin_of(fw))
             by_origin.setdefault(origin.name if origin else "", []).append(fw)
             dim = origins.dims.get(node_group(fw))
-            fw.meta[RULE] = (f"{node_kind(fw).value} of {origin.describe(dim)}" if origin
-                             else f"{node_kind(fw).value} with no origin tag")
+            fw.meta[RULE] = (
+                f"{node_kind(fw).value} of {origin.describe(dim)}"
+                if origin
+                else f"{node_kind(fw).value} with no origin tag"
+            )
         for bw in (n for n in colls if n in backward):
             kind, origin, dim = node_kind(bw), origins.get(origin_of(bw)), origins.dims.get(node_group(bw))
-            forward = [fw for fw in by_origin.get(origin.name if origin else "", []) if node_group(fw) == node_group(bw)]
+            forward = [
+                fw for fw in by_origin.get(origin.name if origin else "", []) if node_group(fw) == node_group(bw)
+            ]
             if origin is None:
                 bw.meta[RULE] = _unproven(ctx, bw, "it carries no origin tag")
             elif not origin.local_view and dim is None:
                 bw.meta[RULE] = _unproven(ctx, bw, f"its group {node_group(bw)} is no mesh dimension")
             elif kind not in (allowed := _allowed(origin, dim, forward)):
                 names = ", ".join(sorted(k.value for k in allowed)) or "nothing"
-                bw.meta[RULE] = _unproven(ctx, bw, f"only {names} may transpose {origin.describe(dim)} on group {node_group(bw)}")
+                bw.meta[RULE] = _unproven(
+                    ctx, bw, f"only {names} may transpose {origin.describe(dim)} on group {node_group(bw)}"
+                )
             else:
-                partner = next((fw for fw in reversed(forward) if PARTNER not in fw.meta
-                                and numel_of(fw) == numel_of(bw) and kind in _transposes(fw, origin, dim)), None)
+                partner = next(
+                    (
+                        fw
+                        for fw in reversed(forward)
+                        if PARTNER not in fw.meta
+                        and numel_of(fw) == numel_of(bw)
+                        and kind in _transposes(fw, origin, dim)
+                    ),
+                    None,
+                )
                 if partner is not None:
                     partner.meta[PARTNER], bw.meta[PARTNER] = bw.name, partner.name
                     partner.meta[RULE] += f"; transposed by {bw.name}"
@@ -164,7 +201,9 @@ class TransposePass:
             decisions.append(f"{bw.name}: {bw.meta[RULE]}")
         ctx.owed = [Owed.of(n) for n in colls if n in backward]
         for move in ctx.report.redistributions:  # what each move issued, next to what the solver costed
-            issued = [f"{node_kind(fw).value}@{origins.dims.get(node_group(fw), '?')}" for fw in by_origin.get(move.node, [])]
+            issued = [
+                f"{node_kind(fw).value}@{origins.dims.get(node_group(fw), '?')}" for fw in by_origin.get(move.node, [])
+            ]
             move.emitted = ", ".join(issued) or "local"
         for fw in (n for n in colls if n not in backward and PARTNER not in n.meta):
             fw.meta[RULE] += "; no backward collective transposes it"
@@ -194,16 +233,27 @@ class BackwardKeptPass:
                 n.meta[RULE] = f"rewritten by {n.meta[REWRITE]}" + (f"; was {n.meta[RULE]}" if RULE in n.meta else "")
         then = {o.node: o for o in ctx.owed}
         kept = {n.name: Owed.of(n) for n in now if REWRITE not in n.meta}
-        problems = [f"{name} ({then[name].kind.value} of {then[name].origin}) was dropped"
-                    for name in then if name not in kept and name not in ctx.rewritten]
-        problems += [f"{name} ({o.kind.value} of {o.origin}) is extra: no move's backward derived it"
-                     for name, o in kept.items() if name not in then]
+        problems = [
+            f"{name} ({then[name].kind.value} of {then[name].origin}) was dropped"
+            for name in then
+            if name not in kept and name not in ctx.rewritten
+        ]
+        problems += [
+            f"{name} ({o.kind.value} of {o.origin}) is extra: no move's backward derived it"
+            for name, o in kept.items()
+            if name not in then
+        ]
         names = {n.name for n in gm.graph.nodes if REWRITE not in n.meta}
-        problems += [f"{name} changed: {', '.join(d)}" for name, o in kept.items()
-                     if name in then and (d := then[name].differences(o, names))]
+        problems += [
+            f"{name} changed: {', '.join(d)}"
+            for name, o in kept.items()
+            if name in then and (d := then[name].differences(o, names))
+        ]
         for group in {o.group for o in then.values()}:
             order = [o.node for o in ctx.owed if o.group == group and o.node in kept and kept[o.node].group == group]
-            issued = [name for name, o in kept.items() if o.group == group and name in then and then[name].group == group]
+            issued = [
+                name for name, o in kept.items() if o.group == group and name in then and then[name].group == group
+            ]
             if order != issued:
                 first = next(a for a, b in zip(issued, order) if a != b)
                 problems.append(f"{first} was reordered on group {group}: derived order {order}, now {issued}")

@@ -56,7 +56,7 @@ def _case(name: str, mode: str) -> tuple[nn.Module, Any, list[tuple]]:
     name = name.removeprefix("dp_")
     if data_parallel:
         inputs = Shard(0)
-        x = x[rank * 8 // world:(rank + 1) * 8 // world]
+        x = x[rank * 8 // world : (rank + 1) * 8 // world]
         calls = [(x,)]
     if name == "replicate_batch":
         calls = [(x[: 8 if rank == 0 else 6],)]
@@ -77,12 +77,12 @@ def _case(name: str, mode: str) -> tuple[nn.Module, Any, list[tuple]]:
         calls = [(x,), (x + (0.25 if rank == 1 else 0.0),)]
     elif name == "sharded_pieces_differ":
         inputs = Shard(0)
-        calls = [(x[rank * 8 // world:(rank + 1) * 8 // world] + rank,)]
+        calls = [(x[rank * 8 // world : (rank + 1) * 8 // world] + rank,)]
     elif name in ("mesh2d_same_dp_differs", "mesh2d_dp_pieces_differ"):
         shape, names = (2, world // 2), ("dp", "tp")
         inputs = (Shard(0), Replicate())
         dp = rank // (world // 2)
-        piece = x[dp * 4:(dp + 1) * 4]
+        piece = x[dp * 4 : (dp + 1) * 4]
         if name == "mesh2d_same_dp_differs":
             piece = piece + (1.0 if rank == 1 else 0.0)  # rank 1 shares dp coordinate 0 with rank 0
         calls = [(piece + dp,)]
@@ -156,9 +156,11 @@ def solver_choices_apart() -> dict[str, Any]:
     rank = dist.get_rank()
     solve = layout_solver.solve
     if rank == 1:
+
         def apart(ops, costs, **kwargs):
             model = dataclasses.replace(costs.model, flops_per_s=1e15, bytes_per_s=1e3, launch_s=0.0)
             return solve(ops, Costs(costs.mesh, model), **kwargs)
+
         layout_solver.solve = apart
     try:
         torch._dynamo.reset()
@@ -172,5 +174,9 @@ def solver_choices_apart() -> dict[str, Any]:
     finally:
         layout_solver.solve = solve
     rep = hca.report(compiled)
-    return {"forward": rep.collective_counts("forward"), "backward": rep.collective_counts("backward"),
-            "status": rep.graph.layout.status, "refinement": rep.graph.refinement}
+    return {
+        "forward": rep.collective_counts("forward"),
+        "backward": rep.collective_counts("backward"),
+        "status": rep.graph.layout.status,
+        "refinement": rep.graph.refinement,
+    }

@@ -51,7 +51,7 @@ def state_of(model, opt) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
         out[name] = p.to_local().detach().clone()
-        for key, value in (opt.state[p].items() if opt is not None else ()):
+        for key, value in opt.state[p].items() if opt is not None else ():
             if isinstance(value, torch.Tensor):
                 out[f"{name}/{key}"] = (value.to_local() if isinstance(value, DTensor) else value).detach().clone()
     return out
@@ -146,13 +146,16 @@ def checkpoint_errors(root: str) -> dict[str, Any]:
     dist.barrier()
     out["unpublished"] = _error(lambda: hca.load(sharded_mlp(0), None, unpublished))
     out["shapes"] = _error(lambda: hca.load(sharded_mlp(0, hidden=32), None, good))
-    out["model"] = _error(lambda: hca.load(hca.sharded({}, mesh=hca.init_mesh())(torch.nn.Linear(DIM, DIM)), None, good))
+    out["model"] = _error(
+        lambda: hca.load(hca.sharded({}, mesh=hca.init_mesh())(torch.nn.Linear(DIM, DIM)), None, good)
+    )
     other_plan = {"fc1.*": Shard(0)}
     out["plan"] = _error(lambda: hca.load(sharded_mlp(0, plan=other_plan), None, good))
     resharded = sharded_mlp(0, plan=other_plan)
     hca.load(resharded, None, good, reshard=True)
-    out["reshard_equal"] = all(torch.equal(p.full_tensor(), model.get_parameter(n).full_tensor())
-                               for n, p in resharded.named_parameters())
+    out["reshard_equal"] = all(
+        torch.equal(p.full_tensor(), model.get_parameter(n).full_tensor()) for n, p in resharded.named_parameters()
+    )
     model_only = os.path.join(root, "model_only")
     hca.save(sharded_mlp(4), None, model_only)
     fresh = sharded_mlp(0)
@@ -166,6 +169,7 @@ def checkpoint_errors(root: str) -> dict[str, Any]:
     damaged = os.path.join(root, "damaged")
     if rank0:
         import shutil
+
         shutil.copytree(good, damaged)
         file = sorted(glob.glob(os.path.join(damaged, "v*", "__1_*")))[0]
         os.truncate(file, os.path.getsize(file) - 1)
@@ -187,12 +191,15 @@ def checkpoint_errors(root: str) -> dict[str, Any]:
     hca.save(torch.compile(model, backend="hca"), opt, compiled_root)
     fresh = sharded_mlp(0)
     hca.load(fresh, None, compiled_root)
-    out["compiled_equal"] = all(torch.equal(p.to_local(), model.get_parameter(n).to_local()) for n, p in fresh.named_parameters())
+    out["compiled_equal"] = all(
+        torch.equal(p.to_local(), model.get_parameter(n).to_local()) for n, p in fresh.named_parameters()
+    )
     wide = sharded_mlp(0).double()  # a float32 checkpoint into a float64 model: values are cast
     hca.load(wide, None, compiled_root)
-    out["cast_equal"] = all(torch.equal(p.to_local(), model.get_parameter(n).to_local().double()) for n, p in wide.named_parameters())
+    out["cast_equal"] = all(
+        torch.equal(p.to_local(), model.get_parameter(n).to_local().double()) for n, p in wide.named_parameters()
+    )
     return out
-
 
 
 # ----------------------------------------------------------------------------- single-device state dicts
@@ -254,8 +261,10 @@ def double_then_compile(directory: str) -> dict[str, Any]:
     hca.reduce_gradients(loaded)
     ref(x).pow(2).sum().backward()
     refs = dict(ref.named_parameters())
-    out["grad_errs"] = {n: ((p.grad.full_tensor() - refs[n].grad).norm() / refs[n].grad.norm()).item()
-                        for n, p in loaded.named_parameters()}
+    out["grad_errs"] = {
+        n: ((p.grad.full_tensor() - refs[n].grad).norm() / refs[n].grad.norm()).item()
+        for n, p in loaded.named_parameters()
+    }
     out["grad_dtypes"] = sorted({str(p.grad.dtype) for p in loaded.parameters()})
     out["report_parameters"] = sorted(hca.report(compiled).graph.parameters)
     return out

@@ -33,6 +33,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # ------------------------------------------------------------- adjoint table
 
+
 def _adjoint_one(kind: Kind, case: dict, dtype: torch.dtype) -> dict[str, Any]:
     group, rank, _ = _world()
     params = _params(case["params"])
@@ -64,9 +65,10 @@ def adjoint_cases(kind_value: str, cases: list[dict]) -> list[dict[str, Any]]:
 
 # -------------------------------------------------- the classic trap, per rank
 
+
 def _trap_model(seed: int, dim: int, hidden: int):
     torch.manual_seed(seed)
-    w1 = torch.randn(hidden, dim, dtype=torch.float32) / dim ** 0.5
+    w1 = torch.randn(hidden, dim, dtype=torch.float32) / dim**0.5
     b1 = torch.randn(hidden, dtype=torch.float32)
     v = torch.randn(hidden, dtype=torch.float32)
     x = torch.randn(8, dim, dtype=torch.float32)
@@ -142,6 +144,7 @@ def trap(dst: str, compiled: bool) -> dict[str, dict[str, float]]:
 
 # ------------------------------------------- each local-view op against math
 
+
 def _globals(seed: int, n: int, shape, count: int) -> list[torch.Tensor]:
     """`count` tensors every rank draws alike (fp64): inputs, per-rank pieces, cotangents."""
     gen = torch.Generator().manual_seed(seed)
@@ -164,12 +167,12 @@ def op_all_reduce(seed: int) -> dict[str, float]:
     _, r, n = _world()
     out = {}
     for dst in ("R", "I"):
-        xs = _globals(seed, n, (3, 5), n)          # the summands
-        gs = _globals(seed + 1, n, (3, 5), n)      # I: cotangent summands
+        xs = _globals(seed, n, (3, 5), n)  # the summands
+        gs = _globals(seed + 1, n, (3, 5), n)  # I: cotangent summands
         g = sum(gs) if dst == "I" else gs[0]
         y, gx = _run_op(C.all_reduce, xs[r], _cotangent(dst, g, gs, r), src="P", dst=dst)
         out[f"P->{dst} value"] = rel(y, sum(xs))
-        out[f"P->{dst} grad"] = rel(gx, g)          # every summand's gradient is the whole gradient
+        out[f"P->{dst} grad"] = rel(gx, g)  # every summand's gradient is the whole gradient
     return out
 
 
@@ -197,7 +200,7 @@ def op_reduce_scatter(seed: int) -> dict[str, float]:
     for dst, d in (("S(0)", 0), ("S(1)", 1), ("V", None)):
         shape = (n, 3) if d is None else (2 * n, 3 * n)
         xs = _globals(seed, n, shape, n)
-        (g,) = _globals(seed + 1, n, shape, 1)     # the whole cotangent; each rank gets its part
+        (g,) = _globals(seed + 1, n, shape, 1)  # the whole cotangent; each rank gets its part
         total = sum(xs)
         mine_g = g[r] if d is None else g.chunk(n, d)[r]
         y, gx = _run_op(C.reduce_scatter, xs[r], mine_g, src="P", dst=dst)
@@ -242,14 +245,18 @@ def op_ppermute(seed: int) -> dict[str, float]:
         gs = _globals(seed + 1, n, (2, 3), n)
         dest = [(i + route["shift"]) % n for i in range(n)] if "shift" in route else list(perm)
         y, gx = _run_op(C.ppermute, xs[r], gs[r], src=src, dst="V", **route)
-        out[f"{src} {route} value"] = rel(y, xs[dest.index(r)])   # I receive from whoever sends to me
-        out[f"{src} {route} grad"] = rel(gx, gs[dest[r]])          # my gradient comes back from where I sent
+        out[f"{src} {route} value"] = rel(y, xs[dest.index(r)])  # I receive from whoever sends to me
+        out[f"{src} {route} grad"] = rel(gx, gs[dest[r]])  # my gradient comes back from where I sent
     return out
 
 
 OPS = {
-    "all_reduce": op_all_reduce, "all_gather": op_all_gather, "reduce_scatter": op_reduce_scatter,
-    "all_to_all": op_all_to_all, "broadcast": op_broadcast, "ppermute": op_ppermute,
+    "all_reduce": op_all_reduce,
+    "all_gather": op_all_gather,
+    "reduce_scatter": op_reduce_scatter,
+    "all_to_all": op_all_to_all,
+    "broadcast": op_broadcast,
+    "ppermute": op_ppermute,
 }
 
 
@@ -277,6 +284,7 @@ def on_mesh_dims() -> dict[str, float]:
 
 # ------------------------------------------------------------- the eager emitter on gloo
 
+
 def reduce_scatter_as_emitted(seed: int, flat: bool = False) -> dict[str, Any]:
     """A bucket's reduce_scatter as `backends.emit` runs it on gloo: the ops it runs, and its
     result against the sum's rows this rank owns. ``flat``: the bucket is viewed flat first,
@@ -302,7 +310,10 @@ def reduce_scatter_as_emitted(seed: int, flat: bool = False) -> dict[str, Any]:
     inputs = [[x, torch.cat([x, x])] for x in firsts]
     total = sum(torch.cat(pair) for pair in inputs)
     (out,) = emit(gm, inputs[rank], "eager")(list(inputs[rank]))
-    return {"ops": [str(node.target) for node in eager_graph(gm).graph.nodes if node.op == "call_function"],
-            "report_ops": [str(node.target) for node in gm.graph.nodes if node.op == "call_function"],
-            "err": rel(out, (total.view(-1)[9 * rank:9 * rank + 9] if flat else total[3 * rank:3 * rank + 3])),
-            "shape": list(out.shape), "own_storage": out._base is None}
+    return {
+        "ops": [str(node.target) for node in eager_graph(gm).graph.nodes if node.op == "call_function"],
+        "report_ops": [str(node.target) for node in gm.graph.nodes if node.op == "call_function"],
+        "err": rel(out, (total.view(-1)[9 * rank : 9 * rank + 9] if flat else total[3 * rank : 3 * rank + 3])),
+        "shape": list(out.shape),
+        "own_storage": out._base is None,
+    }

@@ -28,7 +28,7 @@ from torch_hca.spmd.collective_nodes import CollectiveCounter
 class Case:
     make: Callable[[], nn.Module]
     plan: dict
-    mesh: Callable[[int], tuple]   # world size -> (shape, names)
+    mesh: Callable[[int], tuple]  # world size -> (shape, names)
     inputs: Any
     outputs: Any
     x_shape: tuple[int, ...]
@@ -58,16 +58,35 @@ CASES = {
     "dp": Case(lambda: zoo.DeepMLP(16, 4), {}, lambda ws: ((ws,), ("dp",)), Shard(0), Shard(0), (8, 16)),
     # 12 layers, 24 parameter tensors: the data-parallel bucketing case (tests/test_schedule_pass.py).
     "dp12": Case(lambda: zoo.DeepMLP(16, 12), {}, lambda ws: ((ws,), ("dp",)), Shard(0), Shard(0), (8, 16)),
-    "dp_deferred": Case(lambda: zoo.DeepMLP(16, 4), {}, lambda ws: ((ws,), ("dp",)), Shard(0), Shard(0), (8, 16), "deferred"),
-    "2d": Case(lambda: zoo.MLP(64, 256), zoo.two_d(zoo.MEGATRON_MLP), TWO_D, (Shard(0), Replicate()), (Shard(0), Replicate()), (8, 64)),
-    "block": Case(lambda: zoo.TransformerBlock(128, 4, 512), zoo.TP_BLOCK, ONE_D, Replicate(), Replicate(), (2, 6, 128)),
+    "dp_deferred": Case(
+        lambda: zoo.DeepMLP(16, 4), {}, lambda ws: ((ws,), ("dp",)), Shard(0), Shard(0), (8, 16), "deferred"
+    ),
+    "2d": Case(
+        lambda: zoo.MLP(64, 256),
+        zoo.two_d(zoo.MEGATRON_MLP),
+        TWO_D,
+        (Shard(0), Replicate()),
+        (Shard(0), Replicate()),
+        (8, 64),
+    ),
+    "block": Case(
+        lambda: zoo.TransformerBlock(128, 4, 512), zoo.TP_BLOCK, ONE_D, Replicate(), Replicate(), (2, 6, 128)
+    ),
     # Storage only; the layout solver picks the pattern (tests/test_layout_solver.py shows it).
     # FSDP: weights stored Shard(0), more batch rows than weights: gather the weights.
-    "fsdp": Case(lambda: zoo.DeepMLP(16, 4), {"*": Shard(0)}, lambda ws: ((ws,), ("dp",)), Shard(0), Shard(0), (64, 16)),
+    "fsdp": Case(
+        lambda: zoo.DeepMLP(16, 4), {"*": Shard(0)}, lambda ws: ((ws,), ("dp",)), Shard(0), Shard(0), (64, 16)
+    ),
     # Sequence parallel: Megatron storage, activation memory costed.
-    "sp": Case(lambda: nn.Sequential(NormMLP(128, 512), NormMLP(128, 512)),
-               {"*.mlp.fc1.*": Shard(0), "*.mlp.fc2.weight": Shard(1)}, ONE_D, Replicate(), Replicate(), (2, 16, 128),
-               options={"memory_weight": 1e-7}),
+    "sp": Case(
+        lambda: nn.Sequential(NormMLP(128, 512), NormMLP(128, 512)),
+        {"*.mlp.fc1.*": Shard(0), "*.mlp.fc2.weight": Shard(1)},
+        ONE_D,
+        Replicate(),
+        Replicate(),
+        (2, 16, 128),
+        options={"memory_weight": 1e-7},
+    ),
 }
 
 
@@ -99,7 +118,11 @@ def setup(case: Case, options: dict | None = None, seed: int = 0, dynamic: bool 
     torch.manual_seed(seed)
     ref = case.make()
     model = hca.sharded(
-        case.plan, mesh=mesh, inputs=case.inputs, outputs=case.outputs, grad_reduction=case.grad_reduction,
+        case.plan,
+        mesh=mesh,
+        inputs=case.inputs,
+        outputs=case.outputs,
+        grad_reduction=case.grad_reduction,
     )(copy.deepcopy(ref))
     # Strict in tests: an implicit redistribution or an unexplained backward collective fails.
     options = {"strict": True, "check": True, **(case.options or {}), **(options or {})}
@@ -139,9 +162,7 @@ def parity(case_name: str, steps: int = 3, options: dict | None = None) -> dict[
     rep = hca.report(compiled)
     result["forward"] = rep.collective_counts("forward")
     result["backward"] = rep.collective_counts("backward")
-    result["bytes"] = {
-        d: sum(c.bytes for c in rep.collectives if c.direction == d) for d in ("forward", "backward")
-    }
+    result["bytes"] = {d: sum(c.bytes for c in rep.collectives if c.direction == d) for d in ("forward", "backward")}
     result["buckets"] = {  # (collectives merged, bytes) per bucket the schedule pass made
         d: [(len(b["members"]), b["bytes"]) for g in rep.graphs for b in g.schedules.get(d, {}).get("buckets", [])]
         for d in ("forward", "backward")
@@ -231,8 +252,9 @@ def rows_as_views(case_name: str) -> dict[str, Any]:
         result[f"out_err_{batch // n}"] = rel_err(out, ref(x).chunk(n)[rank])
         result[f"grad_err_{batch // n}"] = max(grad_errors(model, ref).values())
         g = hca.report(compiled).graph
-        result["graphs"].append({"index": g.index, "collectives": sorted(
-            (c.direction, c.kind, str(c.bytes)) for c in g.collectives)})
+        result["graphs"].append(
+            {"index": g.index, "collectives": sorted((c.direction, c.kind, str(c.bytes)) for c in g.collectives)}
+        )
     result["table"] = hca.report(compiled).table()  # symbolic byte counts in the dynamic graph's rows
     return result
 
@@ -249,8 +271,11 @@ def trainer_habits(case_name: str, max_norm: float = 0.5) -> dict[str, Any]:
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
     norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-    result: dict[str, Any] = {"norm": ref_norm.item(), "norm_err": rel_err(norm, ref_norm),
-                              "clipped_grad_err": max(grad_errors(model, ref).values())}
+    result: dict[str, Any] = {
+        "norm": ref_norm.item(),
+        "norm_err": rel_err(norm, ref_norm),
+        "clipped_grad_err": max(grad_errors(model, ref).values()),
+    }
     model.zero_grad()
     ref.zero_grad()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -258,8 +283,11 @@ def trainer_habits(case_name: str, max_norm: float = 0.5) -> dict[str, Any]:
         ref_out = ref(x)
     loss_of(out.float()).backward()
     loss_of(ref_out.float()).backward()
-    result.update(bf16_dtype=str(out.dtype), bf16_out_err=rel_err(full(out.float(), mesh, case.outputs), ref_out.float()),
-                  bf16_grad_err=max(grad_errors(model, ref).values()))
+    result.update(
+        bf16_dtype=str(out.dtype),
+        bf16_out_err=rel_err(full(out.float(), mesh, case.outputs), ref_out.float()),
+        bf16_grad_err=max(grad_errors(model, ref).values()),
+    )
     return result
 
 
@@ -443,8 +471,11 @@ def conv_data_parallel(trust_dtensor_conv_rule: bool, bf16: bool = False) -> dic
                 return {"check_error": str(e)}
             want = ref(x)
         reads = [row["reads"] for g in hca.report(compiled).graphs for row in g.layout.values if row["reads"]]
-        return {"out_err": rel_err(full(out.float(), mesh, case.outputs), want.float()), "reads": reads,
-                "dtype": str(out.dtype)}
+        return {
+            "out_err": rel_err(full(out.float(), mesh, case.outputs), want.float()),
+            "reads": reads,
+            "dtype": str(out.dtype),
+        }
     finally:
         layout_candidates.PARTIAL_OK.discard("conv2d")
         layout_candidates.BATCH_SPLIT_ONLY.add("conv2d")

@@ -25,9 +25,9 @@ MARKER = re.compile(r"^<!-- runnable(?:: *([\w-]+))? -->\n```python\n(.*?)^```",
 
 @dataclass(frozen=True)
 class Block:
-    path: str   # relative to the repository root
-    line: int   # the line of its opening fence
-    tag: str    # "" or the marker's tag ("torchrun")
+    path: str  # relative to the repository root
+    line: int  # the line of its opening fence
+    tag: str  # "" or the marker's tag ("torchrun")
     code: str
 
     @property
@@ -51,8 +51,11 @@ def runnable_blocks(paths: list[pathlib.Path] | None = None) -> list[Block]:
 
 def clean_env() -> dict[str, str]:
     """This environment less any torchrun variables, gloo on loopback."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     env["GLOO_SOCKET_IFNAME"] = "lo"
     return env
 
@@ -61,7 +64,8 @@ def run_script(block: Block, folder: pathlib.Path, *launcher: str, timeout: int 
     """Save `block` as a file in `folder`, run it (`python FILE`, or `*launcher FILE`), return stdout."""
     script = folder / f"{pathlib.Path(block.path).stem.lower()}_{block.line}.py"
     script.write_text(block.code, encoding="utf-8")
-    out = subprocess.run([*launcher, str(script)], capture_output=True, text=True, cwd=folder,
-                         timeout=timeout, env=clean_env())
+    out = subprocess.run(
+        [*launcher, str(script)], capture_output=True, text=True, cwd=folder, timeout=timeout, env=clean_env()
+    )
     assert out.returncode == 0, f"{block.id} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return out.stdout

@@ -34,6 +34,7 @@ def work_longer_than(seconds: float) -> float:
 
 # ---------------------------------------------------- hca.collectives checks
 
+
 def _call(case: str, rank: int) -> torch.Tensor:
     if case == "shape":
         return C.all_reduce(torch.ones(4, 8 + rank), src="P", dst="R")
@@ -112,6 +113,7 @@ def check_cost(calls: int, numel: int) -> dict[str, float]:
 
 
 # ------------------------------------------------------------ killed ranks
+
 
 def die_mid_job(how: str, where: str, folder: str) -> int:
     """Both ranks train; at step 3 rank 1 dies (`how`, its time of death in `folder`/died),

@@ -71,7 +71,7 @@ def listening_addresses(pid: int | None = None) -> list[str]:
 def _address(hex_addr: str) -> str:
     host, port = hex_addr.split(":")
     if len(host) == 8:  # IPv4, little-endian
-        return ".".join(str(int(host[i:i + 2], 16)) for i in (6, 4, 2, 0)) + f":{int(port, 16)}"
+        return ".".join(str(int(host[i : i + 2], 16)) for i in (6, 4, 2, 0)) + f":{int(port, 16)}"
     return f"[{host}]:{int(port, 16)}"
 
 
@@ -89,6 +89,7 @@ def mesh_backend() -> str:
 def rss_drop_after_freeing_64_mib() -> int:
     """Bytes this process's resident set shrinks by when a 64 MiB tensor is freed: about 64 MiB
     where the C allocator hands the block back to the kernel, about 0 where it keeps it."""
+
     def rss() -> int:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -122,10 +122,10 @@ def bert_inputs(batch: int) -> tuple:
     for i in range(batch):
         pad = 2 * (i % 3)
         if pad:
-            mask[i, SEQ - pad:] = 0
-            ids[i, SEQ - pad:] = 0  # pad_token_id
+            mask[i, SEQ - pad :] = 0
+            ids[i, SEQ - pad :] = 0  # pad_token_id
     types = torch.zeros(batch, SEQ, dtype=torch.long)
-    types[:, SEQ // 2:] = 1  # "sentence B" is the second half
+    types[:, SEQ // 2 :] = 1  # "sentence B" is the second half
     return ids, mask, types
 
 
@@ -144,9 +144,17 @@ def gpt2(dropout: float = 0.0) -> Built:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32,
-        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=0.0, use_cache=False,
-        bos_token_id=0, eos_token_id=0,  # defaults (50256) lie outside the tiny vocabulary: HF warns
+        n_layer=2,
+        n_embd=32,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=32,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=0.0,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,  # defaults (50256) lie outside the tiny vocabulary: HF warns
         attn_implementation="sdpa",
     )
     hf = GPT2LMHeadModel(config)
@@ -162,9 +170,16 @@ def llama() -> Built:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=8, num_key_value_heads=4,
-        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=32,
-        tie_word_embeddings=False, use_cache=False, attention_dropout=0.0,
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        use_cache=False,
+        attention_dropout=0.0,
         attn_implementation="sdpa",
     )
     hf = LlamaForCausalLM(config)
@@ -178,9 +193,17 @@ def bert(dropout: float = 0.0) -> Built:
     from transformers import BertConfig, BertForMaskedLM
 
     config = BertConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
-        vocab_size=VOCAB, max_position_embeddings=32, type_vocab_size=2, pad_token_id=0,
-        hidden_dropout_prob=dropout, attention_probs_dropout_prob=0.0, use_cache=False,
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        type_vocab_size=2,
+        pad_token_id=0,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=0.0,
+        use_cache=False,
         attn_implementation="sdpa",
     )
     hf = BertForMaskedLM(config)
@@ -200,11 +223,19 @@ TT_LAYERS = 2
 
 
 def convnet() -> Built:
-    model = nn.Sequential(OrderedDict(
-        conv1=nn.Conv2d(3, 8, 3, padding=1), bn1=nn.BatchNorm2d(8), relu1=nn.ReLU(inplace=True),
-        conv2=nn.Conv2d(8, 8, 3, padding=1), bn2=nn.BatchNorm2d(8), relu2=nn.ReLU(inplace=True),
-        pool=nn.AdaptiveAvgPool2d(1), flatten=nn.Flatten(), fc=nn.Linear(8, 4),
-    ))
+    model = nn.Sequential(
+        OrderedDict(
+            conv1=nn.Conv2d(3, 8, 3, padding=1),
+            bn1=nn.BatchNorm2d(8),
+            relu1=nn.ReLU(inplace=True),
+            conv2=nn.Conv2d(8, 8, 3, padding=1),
+            bn2=nn.BatchNorm2d(8),
+            relu2=nn.ReLU(inplace=True),
+            pool=nn.AdaptiveAvgPool2d(1),
+            flatten=nn.Flatten(),
+            fc=nn.Linear(8, 4),
+        )
+    )
     return model, image_inputs, class_loss
 
 
@@ -214,9 +245,17 @@ def vit(dropout: float = 0.0) -> Built:
     from transformers import ViTConfig, ViTForImageClassification
 
     config = ViTConfig(
-        image_size=8, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
-        num_attention_heads=4, intermediate_size=64, num_labels=4,
-        hidden_dropout_prob=dropout, attention_probs_dropout_prob=0.0, attn_implementation="sdpa",
+        image_size=8,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_labels=4,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="sdpa",
     )
     return LogitsOf(ViTForImageClassification(config), ("pixel_values",)), image_inputs, class_loss
 
@@ -245,8 +284,13 @@ def inplace_mlp() -> Built:
 
 
 MODELS: dict[str, Callable[[], Built]] = {
-    "gpt2": gpt2, "llama": llama, "bert": bert, "test_transformer": test_transformer,
-    "convnet": convnet, "vit": vit, "inplace_mlp": inplace_mlp,
+    "gpt2": gpt2,
+    "llama": llama,
+    "bert": bert,
+    "test_transformer": test_transformer,
+    "convnet": convnet,
+    "vit": vit,
+    "inplace_mlp": inplace_mlp,
 }
 
 
@@ -397,7 +441,9 @@ def plan_problems(model: nn.Module, spec: PlanSpec) -> list[str]:
         hits = [n for n in params if fnmatch.fnmatchcase(n, pattern)]
         if not hits:
             problems.append(f"{pattern!r} matches no parameter")
-        layout = value if isinstance(value, tuple) else (value,) * (1 if not isinstance(value, Replicate) else len(sizes))
+        layout = (
+            value if isinstance(value, tuple) else (value,) * (1 if not isinstance(value, Replicate) else len(sizes))
+        )
         if len(layout) != len(sizes):
             problems.append(f"{pattern!r}: {len(layout)} placements for a {len(sizes)}-D mesh")
             continue

@@ -57,6 +57,7 @@ RTOL = 1e-5  # fp32: max |out - ref| relative to max |ref|
 
 # ------------------------------------------------------------------ families
 
+
 @dataclass(frozen=True)
 class Arg:
     """One tensor input: its shape, and for an index tensor the bound of its values."""
@@ -111,26 +112,36 @@ FAMILIES: tuple[Family, ...] = (
     Family("flatten_tokens", lambda x: x.reshape(B * S, D), (X3,)),
     # Flattened tokens, also as flatten_tokens leaves them when the sequence is sharded:
     # _S(0, 4) for Shard(1) on one mesh dim, (Shard(0), _S(0, 2)) for (Shard(0), Shard(1)).
-    Family("unflatten_tokens", lambda x: x.view(B, S, D),
-           (Arg((B * S, D), extra=(_StridedShard(0, split_factor=2), _StridedShard(0, split_factor=4))),)),
+    Family(
+        "unflatten_tokens",
+        lambda x: x.view(B, S, D),
+        (Arg((B * S, D), extra=(_StridedShard(0, split_factor=2), _StridedShard(0, split_factor=4))),),
+    ),
     Family("embedding", F.embedding, (Arg((B, S), index_high=V), Arg((V, D)))),
     Family("sum_dim", lambda x: x.sum(dim=1), (X3,)),
     Family("mean_dim", lambda x: x.mean(dim=-1), (X3,)),
     Family("cross_entropy", F.cross_entropy, (Arg((B * S, V)), Arg((B * S,), index_high=V))),
-    Family("cross_entropy_sum", lambda x, t: F.cross_entropy(x, t, reduction="sum"),
-           (Arg((B * S, V)), Arg((B * S,), index_high=V))),
+    Family(
+        "cross_entropy_sum",
+        lambda x, t: F.cross_entropy(x, t, reduction="sum"),
+        (Arg((B * S, V)), Arg((B * S,), index_high=V)),
+    ),
 )
 # The zoo's own ops: hca::attention (grouped-query heads, an additive [b, 1, L, S] mask) and a
 # convolution, whose DTensor rule the layout solver restricts (layout_candidates.BATCH_SPLIT_ONLY).
 FAMILIES += (
-    Family("hca_attention_gqa_mask", lambda q, k, v, m: hca_attention.sdpa(q, k, v, attn_mask=m, enable_gqa=True),
-           (Arg((B, H, S, 2)), Arg((B, 2, S, 2)), Arg((B, 2, S, 2)), Arg((B, 1, S, S)))),
+    Family(
+        "hca_attention_gqa_mask",
+        lambda q, k, v, m: hca_attention.sdpa(q, k, v, attn_mask=m, enable_gqa=True),
+        (Arg((B, H, S, 2)), Arg((B, 2, S, 2)), Arg((B, 2, S, 2)), Arg((B, 1, S, S))),
+    ),
     Family("conv2d", lambda x, w, b: F.conv2d(x, w, b, padding=1), (Arg((B, 2, 4, 4)), Arg((4, 2, 3, 3)), Arg((4,)))),
 )
 BY_NAME = {f.name: f for f in FAMILIES}
 
 
 # ---------------------------------------------------------- cut and reassemble
+
 
 def _coords(mesh) -> dict[int, tuple[int, ...]]:
     grid = mesh.mesh
@@ -220,7 +231,7 @@ def reassemble(locals_: dict[int, torch.Tensor], spec) -> torch.Tensor:
     for k in reversed(_mesh_dim_order(spec)):  # innermost first
         groups: dict[tuple, list] = {}
         for c in sorted(pieces):
-            groups.setdefault(c[:k] + (None,) + c[k + 1:], []).append(pieces[c])
+            groups.setdefault(c[:k] + (None,) + c[k + 1 :], []).append(pieces[c])
         pieces = {key: _merge(parts, spec.placements[k]) for key, parts in groups.items()}
     (out,) = pieces.values()
     return out
@@ -232,6 +243,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------ running
+
 
 @dataclass
 class Outcome:

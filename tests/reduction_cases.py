@@ -30,7 +30,9 @@ def ddp_style_step(loss_reduction: str, compiled: bool = True) -> dict[str, Any]
     mesh = hca.init_mesh()
     ref = _net()
     ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(ref))
-    model = hca.sharded({}, mesh=mesh, inputs=Shard(0), outputs=Shard(0), loss_reduction=loss_reduction)(copy.deepcopy(ref))
+    model = hca.sharded({}, mesh=mesh, inputs=Shard(0), outputs=Shard(0), loss_reduction=loss_reduction)(
+        copy.deepcopy(ref)
+    )
     run = torch.compile(model, backend="hca", options={"check": True}) if compiled else model
     torch.manual_seed(1)
     x, y = torch.randn(4 * world, 16), torch.randn(4 * world, 8)
@@ -64,9 +66,22 @@ def hf_labels_step(compiled: bool = True) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = hca.init_mesh()
     torch.manual_seed(0)
-    ref = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0,
-                                     embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, attn_implementation="sdpa",
-                                     bos_token_id=0, eos_token_id=0))
+    ref = GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=1,
+            n_embd=32,
+            n_head=2,
+            vocab_size=64,
+            n_positions=16,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            use_cache=False,
+            attn_implementation="sdpa",
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
     model = hca.sharded({}, mesh=mesh, inputs=Shard(0), outputs=Shard(0), loss_reduction="mean")(copy.deepcopy(ref))
     run = torch.compile(model, backend="hca", options={"check": True}) if compiled else model
     ids = torch.randint(0, 64, (2 * world, 16), generator=torch.Generator().manual_seed(1))
@@ -81,7 +96,8 @@ def hf_labels_step(compiled: bool = True) -> dict[str, Any]:
         return ((a - b).norm() / b.norm()).item()
 
     return {
-        "loss_shape": tuple(out.loss.shape), "loss_err": abs(out.loss.item() - one.loss.item()) / abs(one.loss.item()),
+        "loss_shape": tuple(out.loss.shape),
+        "loss_err": abs(out.loss.item() - one.loss.item()) / abs(one.loss.item()),
         "logits_shape": tuple(out.logits.shape),
         "grad_err": max(err(p.grad.full_tensor(), ref_grads[n].grad) for n, p in model.named_parameters()),
         "collectives": hca.report(run).collective_counts() if compiled else None,

@@ -38,7 +38,7 @@ def cases(r: int, n: int, world, other) -> dict[str, tuple[Callable, list[tuple[
         # shard_r(all_reduce x) = reduce_scatter x
         "ar_chunk": (lambda x: torch.chunk(ar(x), n)[r], [rows]),
         "ar_chunk_dim1": (lambda x: torch.chunk(ar(x), n, dim=1)[r], [cols]),
-        "ar_slice": (lambda x: ar(x)[2 * r:2 * r + 2], [rows]),
+        "ar_slice": (lambda x: ar(x)[2 * r : 2 * r + 2], [rows]),
         "ar_narrow_dim1": (lambda x: ar(x).narrow(1, 2 * r, 2), [cols]),
         "ar_other_chunk": (lambda x: torch.chunk(ar(x), n)[(r + 1) % n], [rows]),
         "ar_chunk_0": (lambda x: torch.chunk(ar(x), n)[0], [rows]),  # own piece on rank 0 only
@@ -51,8 +51,7 @@ def cases(r: int, n: int, world, other) -> dict[str, tuple[Callable, list[tuple[
         "ag_other_chunk": (lambda y: torch.chunk(ag(y), n)[(r + 1) % n], [(2, 3)]),
         # all_to_all(b->a)(all_to_all(a->b) x) = x
         "a2a_round_trip": (lambda x: a2a(a2a(x)), [rows]),
-        "a2a_round_trip_uneven": (
-            lambda x: a2a(a2a(x, [r + 1] * n, sizes), sizes, [r + 1] * n), [(sum(sizes), 3)]),
+        "a2a_round_trip_uneven": (lambda x: a2a(a2a(x, [r + 1] * n, sizes), sizes, [r + 1] * n), [(sum(sizes), 3)]),
         "a2a_other_group": (lambda x: a2a(a2a(x), g=other), [rows]),
         "a2a_back_on_some_ranks": (lambda x: a2a(a2a(x, [1] * n, [1] * n), *_not_quite_back(r, n)), [(n, 3)]),
         # all_gather(reduce_scatter x) = all_reduce x
@@ -110,8 +109,10 @@ def wrong_vals(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> list[str]:
         def run_node(self, node):
             out = super().run_node(node)
             val = node.meta.get("val")
-            if node.op != "output" and isinstance(out, torch.Tensor) and (
-                not isinstance(val, torch.Tensor) or val.shape != out.shape or val.dtype != out.dtype
+            if (
+                node.op != "output"
+                and isinstance(out, torch.Tensor)
+                and (not isinstance(val, torch.Tensor) or val.shape != out.shape or val.dtype != out.dtype)
             ):
                 wrong.append(node.name)
             return out
@@ -138,8 +139,12 @@ def run_case(fn: Callable, shapes: list[tuple[int, ...]], seed: int, in_fake_mod
     gm.recompile()
     check_order(gm, "rewritten")  # every collective still read only through its wait
     return {
-        "before": before, "after": counts(gm), "rules": [a.rule for a in applied], "proposed": proposed,
-        "err": rel_err(gm(*inputs), out_before), "wrong_vals": wrong_vals(gm, inputs),
+        "before": before,
+        "after": counts(gm),
+        "rules": [a.rule for a in applied],
+        "proposed": proposed,
+        "err": rel_err(gm(*inputs), out_before),
+        "wrong_vals": wrong_vals(gm, inputs),
     }
 
 
@@ -154,7 +159,9 @@ def run_all() -> dict[str, dict[str, Any]]:
     table = cases(r, n, dist.group.WORLD, other)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        results = {name: run_case(fn, shapes, seed=1000 * r + i) for i, (name, (fn, shapes)) in enumerate(table.items())}
+        results = {
+            name: run_case(fn, shapes, seed=1000 * r + i) for i, (name, (fn, shapes)) in enumerate(table.items())
+        }
         for name in IN_FAKE_MODE:
             results[f"{name}/in_fake_mode"] = run_case(*table[name], seed=1000 * r, in_fake_mode=True)
     return results

@@ -15,7 +15,9 @@ import torch_hca as hca
 def one_step(nan_on: int | None, nonfinite: str) -> dict[str, Any]:
     torch.manual_seed(0)
     mesh = hca.init_mesh()
-    model = hca.sharded({"0.weight": Shard(0)}, mesh=mesh, inputs=Shard(0))(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)))
+    model = hca.sharded({"0.weight": Shard(0)}, mesh=mesh, inputs=Shard(0))(
+        nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model(torch.randn(4, 8)).square().sum().backward()
     if dist.get_rank() == nan_on:

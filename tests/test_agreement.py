@@ -12,7 +12,10 @@ import agreement_cases
 
 RAISES = {
     # case: (world size, words the message must hold)
-    "replicate_batch": (2, ["L['args'][0]", "[8, 16] float32 on rank 0", "[6, 16] float32 on rank 1", "same batch size"]),
+    "replicate_batch": (
+        2,
+        ["L['args'][0]", "[8, 16] float32 on rank 0", "[6, 16] float32 on rank 1", "same batch size"],
+    ),
     "replicate_values": (2, ["L['args'][0]", "differs between rank 0 and rank 1", "Replicate()"]),
     "nan_on_one_rank": (2, ["L['args'][0]", "differs between rank 0 and rank 1"]),
     "python_scalar": (2, ["traced different programs", "depends on the rank"]),
@@ -95,8 +98,8 @@ def test_the_program_digest_reads_past_an_unused_storage_offset():
         torch._dynamo.reset()
         compiled = torch.compile(lambda x: x * 2, backend=backend)
         rows = torch.ones(100, 4)
-        compiled(rows[start:start + 10])
-        compiled(rows[2 * start:2 * start + 15])
+        compiled(rows[start : start + 10])
+        compiled(rows[2 * start : 2 * start + 15])
         torch._dynamo.reset()
         return graphs[-1]
 

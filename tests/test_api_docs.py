@@ -18,7 +18,7 @@ HEADINGS = [line for line in API.splitlines() if line.startswith("#")]
 def _section(title: str) -> str:
     """The text under the heading that contains `title`, up to the next heading of any level."""
     start = next(i for i, line in enumerate(API.splitlines()) if line.startswith("#") and title in line)
-    lines = API.splitlines()[start + 1:]
+    lines = API.splitlines()[start + 1 :]
     end = next((i for i, line in enumerate(lines) if line.startswith("#")), len(lines))
     return "\n".join(lines[:end])
 

@@ -21,8 +21,11 @@ from bad_input_cases import CASES, Case, run_on_ranks
 
 
 def _rows(world: str) -> list:
-    return [pytest.param(c, id=c.id, marks=[pytest.mark.xfail(strict=True, reason=c.owner)] if c.owner else [])
-            for c in CASES if c.world == world]
+    return [
+        pytest.param(c, id=c.id, marks=[pytest.mark.xfail(strict=True, reason=c.owner)] if c.owner else [])
+        for c in CASES
+        if c.world == world
+    ]
 
 
 def _raises(case: Case) -> None:
@@ -63,8 +66,11 @@ def test_bad_input_across_ranks(rank_results, case):
         assert re.search(case.match, message), (rank, message)
 
 
-@pytest.mark.parametrize("op", [lambda t: t.sort(dim=0).values, lambda t: t.max(0).values * t, lambda t: torch.linalg.qr(t)[0]],
-                         ids=["sort", "max-dim", "qr"])
+@pytest.mark.parametrize(
+    "op",
+    [lambda t: t.sort(dim=0).values, lambda t: t.max(0).values * t, lambda t: torch.linalg.qr(t)[0]],
+    ids=["sort", "max-dim", "qr"],
+)
 def test_ops_returning_several_tensors_run_replicated(fake_pg, op):
     # Once a raw TypeError/StopIteration inside the backend; such ops now run whole on every rank.
     from bad_input_cases import Then, _compiled

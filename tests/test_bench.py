@@ -30,8 +30,17 @@ import torch_hca.tools.bench_real as bench_real_command
 from torch_hca.__main__ import main as command_line
 from torch_hca.tools.bench_run import REGRET_OF
 from torch_hca.tools.bench_tables import _NOT_COMPARED
-from torch_hca.tools.bench import ALTERNATIVES, BREAKDOWN, CONTESTANTS, MODELS as ALL_MODELS, _expert, applies, specs, \
-    step_breakdown, traced_step
+from torch_hca.tools.bench import (
+    ALTERNATIVES,
+    BREAKDOWN,
+    CONTESTANTS,
+    MODELS as ALL_MODELS,
+    _expert,
+    applies,
+    specs,
+    step_breakdown,
+    traced_step,
+)
 from torch_hca.tools.step_profile import StepProfile
 
 import bench_cases
@@ -41,11 +50,22 @@ import bench_cases
 # suite under its time budget (about 20 s each); the full bench runs them.
 MODELS = tuple(m for m in ALL_MODELS if m not in ("dp512", "mlp"))
 assert specs(tiny=True)["dp512"].build().layers[0].weight.shape == specs(tiny=True)["dp"].build().layers[0].weight.shape
-assert {c for c in CONTESTANTS if applies(specs(tiny=True)["mlp"], c)} <= \
-    {c for c in CONTESTANTS if applies(specs(tiny=True)["block"], c)}
+assert {c for c in CONTESTANTS if applies(specs(tiny=True)["mlp"], c)} <= {
+    c for c in CONTESTANTS if applies(specs(tiny=True)["block"], c)
+}
 
-KEYS = {"model", "contestant", "bytes_per_step", "analytic_min_bytes", "collectives", "step_time_s",
-        "compile_time_s", "peak_mem_bytes", "max_grad_rel_err", "optimizer_time_s"}
+KEYS = {
+    "model",
+    "contestant",
+    "bytes_per_step",
+    "analytic_min_bytes",
+    "collectives",
+    "step_time_s",
+    "compile_time_s",
+    "peak_mem_bytes",
+    "max_grad_rel_err",
+    "optimizer_time_s",
+}
 
 
 def bench(worlds, folder, *argv, deadline_s=900):
@@ -72,9 +92,24 @@ def run(tmp_path_factory, worlds):
     folder = tmp_path_factory.mktemp("bench")
     out, traces = folder / "bench.json", folder / "traces"
     code, stdout = bench(
-        worlds, folder, "--tiny", "--models", ",".join(MODELS), "--steps", "1", "--rounds", "2",
-        "--round-ms", "10", "--hca-options", '{"input_check": "values"}',  # the default: the flag's plumbing
-        "--profile", str(traces), "--json", str(out))
+        worlds,
+        folder,
+        "--tiny",
+        "--models",
+        ",".join(MODELS),
+        "--steps",
+        "1",
+        "--rounds",
+        "2",
+        "--round-ms",
+        "10",
+        "--hca-options",
+        '{"input_check": "values"}',  # the default: the flag's plumbing
+        "--profile",
+        str(traces),
+        "--json",
+        str(out),
+    )
     assert code == 0, stdout[-3000:]
     assert "== schedule on/off" in stdout and "== where the step time goes" in stdout
     return json.loads(out.read_text()), stdout, traces
@@ -86,11 +121,14 @@ def records(run):
 
 
 def test_every_model_and_contestant_has_a_complete_record(records):
-    assert all(r.get("hca_options") == ({"input_check": "values"} if r["contestant"].startswith("hca") else None)
-               for r in records)
+    assert all(
+        r.get("hca_options") == ({"input_check": "values"} if r["contestant"].startswith("hca") else None)
+        for r in records
+    )
     expected = {(m, c) for m in MODELS for c in CONTESTANTS if applies(specs(tiny=True)[m], c, 2)}
     assert [(r["model"], r["contestant"]) for r in records] == sorted(
-        expected, key=lambda mc: (MODELS.index(mc[0]), CONTESTANTS.index(mc[1])))
+        expected, key=lambda mc: (MODELS.index(mc[0]), CONTESTANTS.index(mc[1]))
+    )
     assert {r["contestant"] for r in records} == set(CONTESTANTS)
     for r in records:
         assert not r.get("failed"), r
@@ -126,8 +164,9 @@ def test_hca_bytes_against_the_others_are_reported(records):
         hca = next(r for r in rows if r["contestant"] == "hca")
         best = min((r for r in rows if r["contestant"] not in _NOT_COMPARED), key=lambda r: r["bytes_per_step"])
         if hca["bytes_per_step"] > best["bytes_per_step"]:
-            behind.append(f"{model}: hca {hca['bytes_per_step']:.0f} B > "
-                          f"{best['contestant']} {best['bytes_per_step']:.0f} B")
+            behind.append(
+                f"{model}: hca {hca['bytes_per_step']:.0f} B > {best['contestant']} {best['bytes_per_step']:.0f} B"
+            )
     if behind:
         warnings.warn("hca's bytes/step are not the fewest (tiny sizes): " + "; ".join(behind), stacklevel=1)
 
@@ -159,8 +198,11 @@ def test_timed_steps_come_in_rounds_and_each_model_has_a_regret(run):
         for who in REGRET_OF:  # hca, and hca choosing by the clock
             hca_rec = next(r for r in rows if r["contestant"] == who)
             assert hca_rec["regret_alternatives_s"] == alts and alts
-            same = [c for c in alts
-                    if next(r for r in rows if r["contestant"] == c)["program_sha1"] == hca_rec["program_sha1"]]
+            same = [
+                c
+                for c in alts
+                if next(r for r in rows if r["contestant"] == c)["program_sha1"] == hca_rec["program_sha1"]
+            ]
             assert hca_rec["regret_same_program"] == same
             counted = {c: hca_rec["step_time_s"] if c in same else t for c, t in alts.items()}
             assert hca_rec["regret"] == pytest.approx(hca_rec["step_time_s"] / min(counted.values()))
@@ -179,20 +221,27 @@ def test_timed_steps_come_in_rounds_and_each_model_has_a_regret(run):
     checked = targets(records)
     assert checked and all(len(t["rounds"]) == 2 for t in checked)
     for model in MODELS:
-        assert {f"{model}: hca regret", f"{model}: hca predicted step, |error|", f"{model}: hca_inductor / hca"} <= \
-            {t["target"] for t in checked}
-    assert {"tt: hca / single_inductor", "tt: hca_inductor / expert_inductor", "dp: hca / ddp"} <= \
-        {t["target"] for t in checked}
+        assert {f"{model}: hca regret", f"{model}: hca predicted step, |error|", f"{model}: hca_inductor / hca"} <= {
+            t["target"] for t in checked
+        }
+    assert {"tt: hca / single_inductor", "tt: hca_inductor / expert_inductor", "dp: hca / ddp"} <= {
+        t["target"] for t in checked
+    }
     for r in records:
         if r["contestant"] == "hca":
             m = r["graphs_measured"]
-            assert m["calls"] >= 2 and m["measured_s"] > 0 and m["error"] == pytest.approx(m["predicted_s"] / m["measured_s"] - 1)
+            assert (
+                m["calls"] >= 2
+                and m["measured_s"] > 0
+                and m["error"] == pytest.approx(m["predicted_s"] / m["measured_s"] - 1)
+            )
 
 
 def test_profile_writes_a_trace_per_contestant_and_rank_and_a_breakdown(run):
     records, _, traces = run
     assert sorted(p.name for p in traces.iterdir()) == sorted(
-        f"{r['model']}_{r['contestant']}_rank{rank}.json" for r in records for rank in (0, 1))
+        f"{r['model']}_{r['contestant']}_rank{rank}.json" for r in records for rank in (0, 1)
+    )
     for r in records:
         p = r["profile"]
         assert p["step_s"] > 0 and all(p[f"{k}_s"] >= 0 for k in BREAKDOWN), r
@@ -218,19 +267,30 @@ def _x(name, ts, dur, tid=1):
 def test_step_breakdown_sorts_a_synthetic_step():
     events = [
         _x("torch_hca.bench.step", 0, 100),
-        _x("aten::mm", 5, 20), _x("aten::copy_", 6, 2),  # compute, nested copy too (no collective near)
+        _x("aten::mm", 5, 20),
+        _x("aten::copy_", 6, 2),  # compute, nested copy too (no collective near)
         _x("aten::cat", 30, 5),  # fills the bucket
-        _x("_c10d_functional::all_reduce", 36, 10), _x("aten::clone", 37, 3),  # the clone is the collective's
+        _x("_c10d_functional::all_reduce", 36, 10),
+        _x("aten::clone", 37, 3),  # the clone is the collective's
         _x("aten::add", 50, 5),
         _x("_c10d_functional::wait_tensor", 60, 15),
-        _x("aten::split_with_sizes", 76, 4), _x("aten::view", 80, 1), _x("aten::copy_", 81, 2),  # empties it
-        _x("torch.distributed.ddp.reducer::copy_bucket_to_grad", 84, 3), _x("aten::copy_", 84.5, 2),
-        _x("autograd::engine::evaluate_function: MulBackward0", 88, 10), _x("aten::mul", 89, 4),
+        _x("aten::split_with_sizes", 76, 4),
+        _x("aten::view", 80, 1),
+        _x("aten::copy_", 81, 2),  # empties it
+        _x("torch.distributed.ddp.reducer::copy_bucket_to_grad", 84, 3),
+        _x("aten::copy_", 84.5, 2),
+        _x("autograd::engine::evaluate_function: MulBackward0", 88, 10),
+        _x("aten::mul", 89, 4),
         _x("aten::mm", 10, 50, tid=2),  # another thread: not this step's time
     ]
     got = step_breakdown({"traceEvents": events})
-    want = {"step_s": 100, "compute_s": 20 + 5 + 4, "collectives_s": 10 + 15, "bucket_copies_s": 5 + 4 + 1 + 2 + 3,
-            "other_s": 100 - 29 - 25 - 15}
+    want = {
+        "step_s": 100,
+        "compute_s": 20 + 5 + 4,
+        "collectives_s": 10 + 15,
+        "bucket_copies_s": 5 + 4 + 1 + 2 + 3,
+        "other_s": 100 - 29 - 25 - 15,
+    }
     assert got == pytest.approx({k: v * 1e-6 for k, v in want.items()})
 
 
@@ -253,6 +313,7 @@ def test_step_breakdown_reads_a_real_profile(fake_pg, tmp_path):
 @pytest.mark.parametrize("fake_pg", [2], indirect=True)
 def test_expert_storage_is_hca_plan_storage(fake_pg):
     """Why no "expert storage under layout='dtensor'" contestant: it would be hca_dtensor_layout."""
+
     def storage(model):
         placements = lambda p: tuple(p.placements) if isinstance(p, DTensor) else (Replicate(),)
         return {name: placements(p) for name, p in model.named_parameters()}
@@ -260,15 +321,20 @@ def test_expert_storage_is_hca_plan_storage(fake_pg):
     for spec in (s for s in specs(tiny=True).values() if s.kind == "tp"):
         torch.manual_seed(0)
         ref = spec.build()
-        mine = storage(hca.sharded(spec.plan, mesh=fake_pg, inputs=Replicate(), outputs=Replicate())(copy.deepcopy(ref)))
+        mine = storage(
+            hca.sharded(spec.plan, mesh=fake_pg, inputs=Replicate(), outputs=Replicate())(copy.deepcopy(ref))
+        )
         assert storage(_expert(copy.deepcopy(ref), spec, fake_pg)) == mine, spec.name
 
 
 def test_a_wrong_gradient_is_named_and_fails_the_run():
     from torch_hca.tools.bench_tables import _wrong_gradients_line, wrong_gradients
 
-    rows = [{"contestant": "hca", "max_grad_rel_err": 4e-7}, {"contestant": "hca_inductor", "max_grad_rel_err": 1.0},
-            {"contestant": "ddp", "max_grad_rel_err": None, "failed": "RuntimeError"}]
+    rows = [
+        {"contestant": "hca", "max_grad_rel_err": 4e-7},
+        {"contestant": "hca_inductor", "max_grad_rel_err": 1.0},
+        {"contestant": "ddp", "max_grad_rel_err": None, "failed": "RuntimeError"},
+    ]
     assert [r["contestant"] for r in wrong_gradients(rows)] == ["hca_inductor"]
     (line,) = _wrong_gradients_line(rows)
     assert line.startswith("WRONG GRADIENTS: hca_inductor (max rel err 1.0e+00 > 1e-05")
@@ -296,13 +362,26 @@ def test_hca_dp_keeps_the_plans_storage_and_hca_dp_replicated_does_not(fake_pg):
     for spec in (s for s in specs(tiny=True).values() if s.kind == "tp"):
         torch.manual_seed(0)
         ref = spec.build()
-        planned = {n for n, p in build(spec, "hca", ref, fake_pg, {}).model.named_parameters()
-                   if isinstance(p, DTensor) and not all(q.is_replicate() for q in p.placements)}
+        planned = {
+            n
+            for n, p in build(spec, "hca", ref, fake_pg, {}).model.named_parameters()
+            if isinstance(p, DTensor) and not all(q.is_replicate() for q in p.placements)
+        }
         dp = build(spec, "hca_dp", ref, fake_pg, {})
-        assert dp.split and planned and {n for n, p in dp.model.named_parameters()
-                                         if isinstance(p, DTensor) and not all(q.is_replicate() for q in p.placements)} == planned
-        assert not any(isinstance(p, DTensor) and not all(q.is_replicate() for q in p.placements)
-                       for p in build(spec, "hca_dp_replicated", ref, fake_pg, {}).model.parameters())
+        assert (
+            dp.split
+            and planned
+            and {
+                n
+                for n, p in dp.model.named_parameters()
+                if isinstance(p, DTensor) and not all(q.is_replicate() for q in p.placements)
+            }
+            == planned
+        )
+        assert not any(
+            isinstance(p, DTensor) and not all(q.is_replicate() for q in p.placements)
+            for p in build(spec, "hca_dp_replicated", ref, fake_pg, {}).model.parameters()
+        )
 
 
 @pytest.mark.parametrize("fake_pg", [2], indirect=True)
@@ -317,15 +396,23 @@ def test_hca_options_reach_every_hca_contestant_under_its_own(fake_pg, monkeypat
     extra = {"bucket_cap_mb": 2, "inner": "eager", "cost_model": {"sync_s": 0.0}}
     for name in ("hca", "hca_inductor", "hca_tune"):
         build(spec, name, spec.build(), fake_pg, {"launch_s": 1e-3, "sync_s": 5e-4}, extra)
-    assert [(o["bucket_cap_mb"], o["inner"], o.get("layout")) for o in given] == \
-        [(2, "eager", None), (2, "inductor", None), (2, "eager", "tune")]
+    assert [(o["bucket_cap_mb"], o["inner"], o.get("layout")) for o in given] == [
+        (2, "eager", None),
+        (2, "inductor", None),
+        (2, "eager", "tune"),
+    ]
     assert all(o["cost_model"] == {"launch_s": 1e-3, "sync_s": 0.0} for o in given)
     assert extra["cost_model"] == {"sync_s": 0.0}  # the caller's dict is left as it was
 
 
-@pytest.mark.parametrize("given, error", [
-    ("{bucket_cap_mb: 2}", "not JSON"), ("[2]", "must be a JSON object"), ('{"bucket_cap": 2}', "unknown option"),
-])
+@pytest.mark.parametrize(
+    "given, error",
+    [
+        ("{bucket_cap_mb: 2}", "not JSON"),
+        ("[2]", "must be a JSON object"),
+        ('{"bucket_cap": 2}', "unknown option"),
+    ],
+)
 def test_bad_hca_options_stop_the_bench_before_it_starts(given, error):
     from torch_hca.tools.bench import main
 
@@ -336,8 +423,9 @@ def test_bad_hca_options_stop_the_bench_before_it_starts(given, error):
 def test_merge_keeps_each_rounds_slowest_rank():
     from torch_hca.tools.bench_run import merge
 
-    rank = lambda rounds, median: [{"model": "dp", "contestant": "ddp", "step_time_s": median,
-                                    "round_step_times_s": rounds}]
+    rank = lambda rounds, median: [
+        {"model": "dp", "contestant": "ddp", "step_time_s": median, "round_step_times_s": rounds}
+    ]
     (rec,) = merge([rank([1.0, 3.0], 2.0), rank([2.0, 2.5], 2.2)])
     assert rec["round_step_times_s"] == [2.0, 3.0] and rec["step_time_s"] == 2.2
 
@@ -346,11 +434,22 @@ def test_targets_are_read_overall_and_in_each_round():
     from torch_hca.tools.bench_tables import targets_table
     from torch_hca.tools.bench_targets import targets
 
-    rec = lambda who, rounds, **kw: {"model": "dp", "contestant": who, "step_time_s": sorted(rounds)[1],
-                                     "round_step_times_s": rounds, **kw}
+    rec = lambda who, rounds, **kw: {
+        "model": "dp",
+        "contestant": who,
+        "step_time_s": sorted(rounds)[1],
+        "round_step_times_s": rounds,
+        **kw,
+    }
     records = [
-        rec("hca", [8.0, 9.5, 8.5], regret=0.8, regret_same_program=["hca_dtensor_layout"], est_step_s=7.0,
-            optimizer_time_s=1.0),
+        rec(
+            "hca",
+            [8.0, 9.5, 8.5],
+            regret=0.8,
+            regret_same_program=["hca_dtensor_layout"],
+            est_step_s=7.0,
+            optimizer_time_s=1.0,
+        ),
         rec("hca_dtensor_layout", [7.0, 7.0, 7.0]),  # hca's own program: counts at hca's time
         rec("hca_dp", [10.0, 9.0, 10.0]),
         rec("hca_inductor", [9.0, 9.0, 9.0]),
@@ -387,8 +486,22 @@ def test_real_tiny_runs_every_model_and_contestant(tmp_path, worlds):
     from torch_hca.tools.bench_real import REAL_MODELS
 
     out = tmp_path / "real.json"
-    code, stdout = bench(worlds, tmp_path, "--real", "--tiny", "--contestants", ",".join(REAL_TINY), "--steps", "1",
-                         "--round-ms", "0", "--default-costs", "--json", str(out), deadline_s=600)
+    code, stdout = bench(
+        worlds,
+        tmp_path,
+        "--real",
+        "--tiny",
+        "--contestants",
+        ",".join(REAL_TINY),
+        "--steps",
+        "1",
+        "--round-ms",
+        "0",
+        "--default-costs",
+        "--json",
+        str(out),
+        deadline_s=600,
+    )
     assert code == 0, stdout[-1500:]
     records = json.loads(out.read_text())
     assert [(r["model_family"], r["contestant"]) for r in records] == [(m, c) for m in REAL_MODELS for c in REAL_TINY]

@@ -13,9 +13,15 @@ from torch_hca.spmd.shares import rows_agree, rows_for, smallest_whole
 from torch_hca.tools import bench_hetero as bh
 
 
-@pytest.mark.parametrize("k, shares, rows", [
-    (1.0, (1, 1), (12, 12)), (1.5, (7, 5), (14, 10)), (2.0, (2, 1), (16, 8)), (3.0, (3, 1), (18, 6)),
-])
+@pytest.mark.parametrize(
+    "k, shares, rows",
+    [
+        (1.0, (1, 1), (12, 12)),
+        (1.5, (7, 5), (14, 10)),
+        (2.0, (2, 1), (16, 8)),
+        (3.0, (3, 1), (18, 6)),
+    ],
+)
 def test_the_balanced_shares_of_a_batch_of_24(k, shares, rows):
     assert bh.pick_shares(k, 24) == (shares, rows)
 
@@ -51,8 +57,10 @@ def test_the_bound_shares_the_whole_batch_by_the_speeds():
 
 
 def _times(fast_steps, slow_steps, fast_compute=None, slow_compute=None) -> list:
-    return [{"step": list(fast_steps), "compute": list(fast_compute or fast_steps)},
-            {"step": list(slow_steps), "compute": list(slow_compute or slow_steps)}]
+    return [
+        {"step": list(fast_steps), "compute": list(fast_compute or fast_steps)},
+        {"step": list(slow_steps), "compute": list(slow_compute or slow_steps)},
+    ]
 
 
 def test_summarize_reads_medians_of_the_slowest_rank_and_the_k_got():
@@ -73,16 +81,28 @@ def test_summarize_reads_medians_of_the_slowest_rank_and_the_k_got():
 
 
 def test_at_k_1_the_k_got_comes_from_the_unslowed_whole_batch():
-    times = {"whole": _times([0.05] * 3, [0.05] * 3, slow_compute=[0.051] * 3),
-             "even": _times([0.03] * 3, [0.03] * 3), "shares": _times([0.0309] * 3, [0.03] * 3)}
+    times = {
+        "whole": _times([0.05] * 3, [0.05] * 3, slow_compute=[0.051] * 3),
+        "even": _times([0.03] * 3, [0.03] * 3),
+        "shares": _times([0.0309] * 3, [0.03] * 3),
+    }
     row = bh.summarize(1.0, (1, 1), (12, 12), times)
     assert row["k_measured"] == pytest.approx(1.02) and row["bound_s"] == pytest.approx(0.05 / (1 + 1 / 1.02))
 
 
 def _row(k, shares_over_bound, even_s, shares_s):
-    return {"k": k, "k_measured": k, "shares": [1, 1], "rows": [12, 12], "whole_s": 0.06, "even_s": even_s,
-            "shares_s": shares_s, "bound_s": shares_s / shares_over_bound, "shares_over_bound": shares_over_bound,
-            "even_over_shares": even_s / shares_s}
+    return {
+        "k": k,
+        "k_measured": k,
+        "shares": [1, 1],
+        "rows": [12, 12],
+        "whole_s": 0.06,
+        "even_s": even_s,
+        "shares_s": shares_s,
+        "bound_s": shares_s / shares_over_bound,
+        "shares_over_bound": shares_over_bound,
+        "even_over_shares": even_s / shares_s,
+    }
 
 
 def test_goals_say_which_are_met_with_their_figures():
@@ -128,8 +148,13 @@ def test_breakdown_and_the_other_processes_load():
         for r, cpu in ((0, [0.01, 0.02]), (1, [0.02, 0.04])):
             t[r]["cpu"], t[r]["slept"] = cpu, [0.001 * r, 0.003 * r]
     parts = bh.breakdown(2.0, times)
-    assert parts[0] == {"k": 2.0, "contestant": "even", "cpu_s": [pytest.approx(0.015), pytest.approx(0.03)],
-                        "slept_s": pytest.approx(0.002), "step_s": pytest.approx(0.045)}
+    assert parts[0] == {
+        "k": 2.0,
+        "contestant": "even",
+        "cpu_s": [pytest.approx(0.015), pytest.approx(0.03)],
+        "slept_s": pytest.approx(0.002),
+        "step_s": pytest.approx(0.045),
+    }
     assert "shares" in bh.breakdown_table(parts).splitlines()[-1]
     # 10 s of wall, 15 CPU seconds busy, 12 of them this process and its ranks: others kept 0.3 cores busy
     assert bh._others_cores((100.0, 50.0, 3.0), (110.0, 65.0, 15.0)) == pytest.approx(0.3)

@@ -123,10 +123,24 @@ def test_matmul_half_dim_is_zero_where_small_matmuls_are_not_slower():
 
 # ------------------------------------------------------------ rounds: the fastest kept, noise flagged
 # A quiet round's seconds per probe (`PROBES`), plausible for two gloo ranks on a small CPU.
-QUIET = {"all_gather_4B": 1e-4, "all_reduce_4B": 1.2e-4, "all_reduce_64KiB": 3e-4, "all_reduce_512KiB": 1e-3,
-         "all_reduce_4MiB": 6e-3, "all_gather_4MiB": 4e-3, "reduce_scatter_4MiB": 7e-3, "mlp_step": 1e-3,
-         "matmul_16_rows": 1.2e-4, "matmul_256_rows": 1.7e-3, "gather_after_compute": 3e-4, "steps_alone": 6e-3,
-         "all_reduce_alone": 6e-3, "all_reduce_under_steps": 9e-3, "op": 1e-5, "copy_16MiB": 3e-3}
+QUIET = {
+    "all_gather_4B": 1e-4,
+    "all_reduce_4B": 1.2e-4,
+    "all_reduce_64KiB": 3e-4,
+    "all_reduce_512KiB": 1e-3,
+    "all_reduce_4MiB": 6e-3,
+    "all_gather_4MiB": 4e-3,
+    "reduce_scatter_4MiB": 7e-3,
+    "mlp_step": 1e-3,
+    "matmul_16_rows": 1.2e-4,
+    "matmul_256_rows": 1.7e-3,
+    "gather_after_compute": 3e-4,
+    "steps_alone": 6e-3,
+    "all_reduce_alone": 6e-3,
+    "all_reduce_under_steps": 9e-3,
+    "op": 1e-5,
+    "copy_16MiB": 3e-3,
+}
 
 
 def _slower(times, factor, *probes):
@@ -140,8 +154,11 @@ def test_every_probe_has_a_quiet_time():
 
 def test_each_probe_keeps_its_fastest_round_and_its_spread():
     cal = importlib.import_module("torch_hca.api.calibrate")
-    rounds = [{"mlp_step": 1.1, "copy_16MiB": 3.0, "op": 1.0}, {"mlp_step": 4.0, "copy_16MiB": 12.0, "op": 1.0},
-              {"mlp_step": 1.2, "copy_16MiB": 2.0, "op": 1.0}]
+    rounds = [
+        {"mlp_step": 1.1, "copy_16MiB": 3.0, "op": 1.0},
+        {"mlp_step": 4.0, "copy_16MiB": 12.0, "op": 1.0},
+        {"mlp_step": 1.2, "copy_16MiB": 2.0, "op": 1.0},
+    ]
     fastest, spread = cal._stable(rounds)
     assert fastest == {"mlp_step": 1.1, "copy_16MiB": 2.0, "op": 1.0}
     assert spread == pytest.approx({"mlp_step": 4.0 / 1.1 - 1, "copy_16MiB": 5.0, "op": 0.0})
@@ -159,8 +176,8 @@ class _FakeProbes:
     """What `_figures_of` reads of `_Probes`, without setting any up."""
 
     def __init__(self, device):
-        self.n, self.sizes, self.big = 4, (2 ** 14, 2 ** 17, 2 ** 20), torch.empty(2 ** 20)
-        self.step_flops, self.copy_bytes = 11 * 2 * 256 ** 3, 2 * 2 ** 24
+        self.n, self.sizes, self.big = 4, (2**14, 2**17, 2**20), torch.empty(2**20)
+        self.step_flops, self.copy_bytes = 11 * 2 * 256**3, 2 * 2**24
 
 
 @pytest.fixture
@@ -181,12 +198,15 @@ def test_a_loaded_round_does_not_decide_the_figures(injected, recwarn):
     assert not quiet.noisy and not recwarn.list
     # The issue's case: compute at a quarter of its speed while other work shared the machine.
     injected += [QUIET, _slower(QUIET, 4.0, "mlp_step", "matmul_256_rows"), _slower(QUIET, 1.1, "mlp_step")]
-    with pytest.warns(UserWarning, match=r"hca.calibrate: noisy: the slowest of 3 rounds ran slower than the "
-                                         r"fastest by mlp_step 300%, matmul_256_rows 300% \(more than 50%\)"):
+    with pytest.warns(
+        UserWarning,
+        match=r"hca.calibrate: noisy: the slowest of 3 rounds ran slower than the "
+        r"fastest by mlp_step 300%, matmul_256_rows 300% \(more than 50%\)",
+    ):
         loaded = cal._measure(3, rounds=3)
     assert loaded.noisy and loaded == quiet  # the fastest rounds: the quiet figures
     assert loaded.spread["mlp_step"] == pytest.approx(3.0) and tuple(loaded) == FIELDS
-    assert quiet["flops_per_s"] == pytest.approx(11 * 2 * 256 ** 3 / 1e-3 * (256 + quiet["matmul_half_dim"]) / 256)
+    assert quiet["flops_per_s"] == pytest.approx(11 * 2 * 256**3 / 1e-3 * (256 + quiet["matmul_half_dim"]) / 256)
 
 
 def test_the_figures_say_when_they_were_measured(injected):
@@ -201,8 +221,10 @@ def test_the_figures_say_when_they_were_measured(injected):
     assert figures.spread == dict.fromkeys(QUIET, 0.0) and not figures.noisy  # one round: nothing to compare
 
 
-@pytest.mark.parametrize("kwargs,match", [({"rounds": 0}, r"rounds=0; give a positive int"),
-                                          ({"max_spread": 0}, r"max_spread=0; give a number > 0")])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [({"rounds": 0}, r"rounds=0; give a positive int"), ({"max_spread": 0}, r"max_spread=0; give a number > 0")],
+)
 def test_bad_rounds_or_threshold(fake_pg, kwargs, match):
     with pytest.raises(hca.HCAError, match=r"hca\.calibrate: " + match):
         hca.calibrate(**kwargs)

@@ -23,9 +23,21 @@ from torch_hca.spmd.calibration_cache import CACHE_FILE, Calibration, cache_dir,
 
 from compile_log import compile_log_lines
 
-FIGURES = {"launch_s": 2e-4, "alpha_s": 0.0, "bytes_per_s": 1.5e9, "flops_per_s": 9e10, "memory_bytes_per_s": 2e10, "sync_s": 1e-3,
-           "op_s": 7e-6, "call_s": 5e-4, "param_s": 4e-5, "gather_bytes_per_s": 1.1e9, "scatter_bytes_per_s": 0.7e9,
-           "contention": 0.4, "matmul_half_dim": 8.0}
+FIGURES = {
+    "launch_s": 2e-4,
+    "alpha_s": 0.0,
+    "bytes_per_s": 1.5e9,
+    "flops_per_s": 9e10,
+    "memory_bytes_per_s": 2e10,
+    "sync_s": 1e-3,
+    "op_s": 7e-6,
+    "call_s": 5e-4,
+    "param_s": 4e-5,
+    "gather_bytes_per_s": 1.1e9,
+    "scatter_bytes_per_s": 0.7e9,
+    "contention": 0.4,
+    "matmul_half_dim": 8.0,
+}
 
 
 @pytest.fixture
@@ -40,8 +52,10 @@ AT = "2026-12-03T06:10:07+00:00"
 def test_the_tests_never_touch_the_users_cache():
     """conftest points $TORCH_HCA_CACHE_DIR at a fresh folder for the session (its ranks inherit
     it): whatever a test calibrates or compiles, the user's cache is not read or written."""
-    users = {Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_hca",
-             Path.home() / ".cache" / "torch_hca"}
+    users = {
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_hca",
+        Path.home() / ".cache" / "torch_hca",
+    }
     assert cache_dir() not in users and Path(os.environ["TORCH_HCA_CACHE_DIR"]).name.startswith("torch_hca_test_cache_")
 
 
@@ -186,7 +200,8 @@ def test_the_compiler_starts_from_this_hosts_cached_calibration(worlds, tmp_path
     from torch_hca.spmd.cost_model import DEFAULTS
 
     for rank, ((none, none_src, none_log), (cached, cached_src, cached_log), (over, over_src, _)) in enumerate(
-            worlds(2).run(compile_with_and_without_a_cache, str(tmp_path))):
+        worlds(2).run(compile_with_and_without_a_cache, str(tmp_path))
+    ):
         entry = tmp_path / f"rank{rank}" / CACHE_FILE
         assert none == DEFAULTS["gloo"].as_dict() and none_src == "defaults (not measured)"
         assert cached == FIGURES and cached_src == f"calibrated 2026-12-03 06:10 UTC (cache {entry})"
@@ -196,8 +211,9 @@ def test_the_compiler_starts_from_this_hosts_cached_calibration(worlds, tmp_path
         # line is wrapped: compared without white space).
         bare = lambda text: "".join(text.split())
         assert bare("; cost model: defaults (not measured): compute 20 GFLOP/s, links 1 GB/s") in bare(none_log)
-        assert bare(f"; cost model: calibrated 2026-12-03 06:10 UTC (cache {entry}): compute 90 GFLOP/s, "
-                    "links 1.5 GB/s") in bare(cached_log)
+        assert bare(
+            f"; cost model: calibrated 2026-12-03 06:10 UTC (cache {entry}): compute 90 GFLOP/s, links 1.5 GB/s"
+        ) in bare(cached_log)
 
 
 # ------------------------------------------------------------ when, and whether noisy
@@ -229,8 +245,11 @@ def test_a_noisy_calibration_never_replaces_a_quiet_one(folder):
     store_calibration(Calibration(FIGURES, AT), 2, "gloo")
     before = (folder / CACHE_FILE).read_bytes()
     slow = Calibration({**FIGURES, "flops_per_s": 1.87e10}, noisy=True)
-    with pytest.warns(UserWarning, match=r"a noisy calibration \(calibrated .*, noisy\) did not replace the quiet "
-                                         r"one of 2026-12-03 06:10 UTC"):
+    with pytest.warns(
+        UserWarning,
+        match=r"a noisy calibration \(calibrated .*, noisy\) did not replace the quiet "
+        r"one of 2026-12-03 06:10 UTC",
+    ):
         store_calibration(slow, 2, "gloo")
     assert (folder / CACHE_FILE).read_bytes() == before
     store_calibration(slow, 4, "gloo")  # no entry for this key: kept, marked noisy
@@ -296,15 +315,17 @@ def test_the_bench_uses_the_users_quiet_calibration(tmp_path, fake_pg, monkeypat
 def test_the_compiler_names_the_cache_entry_and_its_time(folder, monkeypatch, noisy):
     from torch_hca.spmd.calibration_cache import base_model
 
-    for name, value in (("is_initialized", lambda: True), ("get_backend", lambda: "gloo"),
-                        ("get_world_size", lambda: 2)):
+    for name, value in (
+        ("is_initialized", lambda: True),
+        ("get_backend", lambda: "gloo"),
+        ("get_world_size", lambda: 2),
+    ):
         monkeypatch.setattr(dist, name, value)
     assert base_model("gloo")[1] == "defaults (not measured)"
     store_calibration(Calibration(FIGURES, AT, noisy=noisy))
     model, source = base_model("gloo")
     assert model.as_dict() == FIGURES
-    assert source == (f"calibrated 2026-12-03 06:10 UTC{', noisy' if noisy else ''} "
-                      f"(cache {folder / CACHE_FILE})")
+    assert source == (f"calibrated 2026-12-03 06:10 UTC{', noisy' if noisy else ''} (cache {folder / CACHE_FILE})")
 
 
 def test_the_log_line_says_which_figures_and_from_where():
@@ -312,7 +333,8 @@ def test_the_log_line_says_which_figures_and_from_where():
 
     layout = LayoutRecord(cost_model=FIGURES, cost_model_source="calibrated 2026-12-03 06:10 UTC, noisy (cache x.json)")
     assert _figures(types.SimpleNamespace(layout=layout)) == (
-        "; cost model: calibrated 2026-12-03 06:10 UTC, noisy (cache x.json): compute 90 GFLOP/s, links 1.5 GB/s")
+        "; cost model: calibrated 2026-12-03 06:10 UTC, noisy (cache x.json): compute 90 GFLOP/s, links 1.5 GB/s"
+    )
 
 
 def test_a_full_set_of_figures_is_named_as_given_not_as_overrides():

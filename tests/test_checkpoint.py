@@ -21,8 +21,10 @@ FIRST, SECOND = "v00000001", "v00000002"
 
 
 def digests(directory) -> dict[str, str]:
-    return {name: hashlib.sha256(open(os.path.join(directory, name), "rb").read()).hexdigest()
-            for name in sorted(os.listdir(directory))}
+    return {
+        name: hashlib.sha256(open(os.path.join(directory, name), "rb").read()).hexdigest()
+        for name in sorted(os.listdir(directory))
+    }
 
 
 def latest(root) -> str:
@@ -32,10 +34,10 @@ def latest(root) -> str:
 # (point, rank killed there, what LATEST names afterwards). Before the rename of
 # LATEST the first checkpoint stays published; after it the second one is.
 KILLS = [
-    ("begin", 1, FIRST),       # before its pieces are written
-    ("written", 1, FIRST),     # while writing: its file is left half written
-    ("complete", 0, FIRST),    # after every rank has written, before publishing
-    ("renamed", 0, FIRST),     # mid-publish: the new directory is in place, LATEST is not switched
+    ("begin", 1, FIRST),  # before its pieces are written
+    ("written", 1, FIRST),  # while writing: its file is left half written
+    ("complete", 0, FIRST),  # after every rank has written, before publishing
+    ("renamed", 0, FIRST),  # mid-publish: the new directory is in place, LATEST is not switched
     ("published", 0, SECOND),  # after publishing, before older versions are pruned
 ]
 

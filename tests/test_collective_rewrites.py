@@ -40,14 +40,14 @@ EXPECT = {
     "ar_chunk_dim1": ({AR: 1}, {RS: 1}, [RULE1]),
     "ar_slice": ({AR: 1}, {RS: 1}, [RULE1]),
     "ar_narrow_dim1": ({AR: 1}, {RS: 1}, [RULE1]),
-    "ar_other_chunk": ({AR: 1}, {AR: 1}, []),      # another rank's piece
-    "ar_chunk_0": ({AR: 1}, {AR: 1}, []),          # own piece on rank 0 only: the ranks must agree
-    "ar_uneven": ({AR: 1}, {AR: 1}, []),           # pieces of unequal size
-    "ar_full_used": ({AR: 1}, {AR: 1}, []),        # the whole sum is needed too
+    "ar_other_chunk": ({AR: 1}, {AR: 1}, []),  # another rank's piece
+    "ar_chunk_0": ({AR: 1}, {AR: 1}, []),  # own piece on rank 0 only: the ranks must agree
+    "ar_uneven": ({AR: 1}, {AR: 1}, []),  # pieces of unequal size
+    "ar_full_used": ({AR: 1}, {AR: 1}, []),  # the whole sum is needed too
     # 2. shard_r(all_gather x) = x
     "ag_chunk": ({AG: 1}, {}, [RULE2]),
     "ag_chunk_dim1": ({AG: 1}, {}, [CAT, RULE2]),  # funcol's chunk/cat around a dim-1 gather first
-    "ag_own_and_full": ({AG: 1}, {AG: 1}, []),     # the gather stays for its other use: nothing to gain
+    "ag_own_and_full": ({AG: 1}, {AG: 1}, []),  # the gather stays for its other use: nothing to gain
     "ag_other_chunk": ({AG: 1}, {AG: 1}, []),
     # 3. all_to_all(b->a)(all_to_all(a->b) x) = x
     "a2a_round_trip": ({A2A: 2}, {}, [RULE3]),
@@ -64,7 +64,7 @@ EXPECT = {
     "ar_sum_alpha": ({AR: 2}, {AR: 1}, [RULE5]),
     "ar_sum_other_use": ({AR: 2}, {AR: 2}, []),
     "ar_sum_other_group": ({AR: 2}, {AR: 2}, []),
-    "ar_sum_max": ({AR: 2}, {AR: 2}, []),          # max does not commute with +
+    "ar_sum_max": ({AR: 2}, {AR: 2}, []),  # max does not commute with +
     # several identities, to a fixed point
     "ar_sum_then_shard": ({AR: 2}, {RS: 1}, [RULE5, RULE1]),
     "rs_ag_then_shard": ({RS: 1, AG: 1}, {RS: 1}, [RULE4, RULE1]),
@@ -95,10 +95,13 @@ def test_rewrite(ranks, case):
         assert got["wrong_vals"] == [], f"rank {rank}: meta['val'] wrong on {got['wrong_vals']}"
 
 
-@pytest.mark.parametrize("case, rule, proposers", [
-    ("ar_chunk_0", RULE1, lambda n: [0]),
-    ("a2a_back_on_some_ranks", RULE3, lambda n: [0, 3] if n > 2 else []),
-])
+@pytest.mark.parametrize(
+    "case, rule, proposers",
+    [
+        ("ar_chunk_0", RULE1, lambda n: [0]),
+        ("a2a_back_on_some_ranks", RULE3, lambda n: [0, 3] if n > 2 else []),
+    ],
+)
 def test_a_match_some_ranks_lack_is_not_applied(ranks, case, rule, proposers):
     """These ranks found the match alone; rewriting only there would leave the others in the exchange."""
     found = [rank for rank, results in enumerate(ranks) if rule in results[case]["proposed"]]
@@ -107,6 +110,7 @@ def test_a_match_some_ranks_lack_is_not_applied(ranks, case, rule, proposers):
 
 
 # ---------------------------------------------------------------- graph-only, fake process group
+
 
 def _trace(fn, *shapes) -> fx.GraphModule:
     with warnings.catch_warnings():
@@ -137,8 +141,9 @@ def test_rank_dependent_rewrites_need_every_rank(fake_pg):
 
 
 def test_without_fake_values_nothing_is_rewritten_but_ranks_still_agree(fake_pg):
-    gm = fx.symbolic_trace(lambda x: torch.ops._c10d_functional.wait_tensor(
-        torch.ops._c10d_functional.all_reduce(x, "sum", "0")) + 1)
+    gm = fx.symbolic_trace(
+        lambda x: torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", "0")) + 1
+    )
     calls = []
     assert cr.rewrite_collectives(gm, lambda keys: calls.append(keys) or set(keys)) == []
     assert calls == [[]]  # one exchange, as on a rank that did find something
@@ -224,7 +229,9 @@ class Golden(expecttest.TestCase):
     def test_shard_of_all_reduce_along_dim_1(self):
         gm = _trace(_own_chunk, (3, 8))
         cr.rewrite_collectives(gm)
-        self.assertExpectedInline(_code(gm), """\
+        self.assertExpectedInline(
+            _code(gm),
+            """\
 def forward(self, x_1):
     split_tensor = torch.ops.aten.split.Tensor(x_1, 2, 1)
     getitem_4 = split_tensor[0]
@@ -234,7 +241,8 @@ def forward(self, x_1):
     cat_default = torch.ops.aten.cat.default([getitem_4, getitem_5, getitem_6, getitem_7], 0)
     reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(cat_default, 'sum', 4, '0')
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default)
-    return wait_tensor_default""")
+    return wait_tensor_default""",
+        )
 
     def test_sum_of_all_reduces_then_own_shard(self):
         world = dist.group.WORLD
@@ -244,15 +252,21 @@ def forward(self, x_1):
 
         gm = _trace(fn, (8, 3), (8, 3))
         applied = cr.rewrite_collectives(gm)
-        self.assertExpectedInline("\n".join(map(str, applied)), """\
+        self.assertExpectedInline(
+            "\n".join(map(str, applied)),
+            """\
 all_reduce_of_sum: all_reduce a + all_reduce b = all_reduce (a + b); [all_reduce, all_reduce_1, wait_tensor, wait_tensor_1, add] -> [add_tensor, all_reduce_default, wait_tensor_default]
-reduce_scatter_of_all_reduce: shard_r(all_reduce x) = reduce_scatter x; [all_reduce_default, wait_tensor_default, getitem] -> [reduce_scatter_tensor_default, wait_tensor_default_1]""")
-        self.assertExpectedInline(_code(gm), """\
+reduce_scatter_of_all_reduce: shard_r(all_reduce x) = reduce_scatter x; [all_reduce_default, wait_tensor_default, getitem] -> [reduce_scatter_tensor_default, wait_tensor_default_1]""",
+        )
+        self.assertExpectedInline(
+            _code(gm),
+            """\
 def forward(self, x_1, y_1):
     add_tensor = torch.ops.aten.add.Tensor(x_1, y_1)
     reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(add_tensor, 'sum', 4, '0')
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default)
-    return wait_tensor_default_1""")
+    return wait_tensor_default_1""",
+        )
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

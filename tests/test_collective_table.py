@@ -33,6 +33,7 @@ TOLERANCE = {"torch.float64": 1e-10, "torch.float32": 1e-5}
 
 # ------------------------------------------------------------ drawn cases
 
+
 def _dim(draw, ndim: int) -> int:
     return draw(st.integers(-ndim, ndim - 1))
 
@@ -48,7 +49,7 @@ def _index(draw, high: int) -> list:
 
 def _shape_with(shape: list[int], dim: int, sizes: list[int]) -> list[int]:
     dim %= len(shape)
-    return shape[:dim] + sizes + shape[dim + 1:]
+    return shape[:dim] + sizes + shape[dim + 1 :]
 
 
 def _params(draw, kind: Kind, n: int, shape: list[int]) -> tuple[list[int], dict]:
@@ -93,6 +94,7 @@ def cases(draw, kind: Kind, n: int) -> dict:
 
 # ------------------------------------------------------- adjoint identities
 
+
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("kind", list(Kind), ids=lambda k: k.value)
 def test_adjoint_identity_on_gloo(worlds, kind, n):
@@ -131,7 +133,8 @@ EXAMPLES = {  # one concrete call per kind, at world size 4
 
 def _c10d_counts(gm: torch.fx.GraphModule) -> Counter:
     return Counter(
-        n.target for n in gm.graph.nodes
+        n.target
+        for n in gm.graph.nodes
         if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional"
     )
 
@@ -148,8 +151,12 @@ def test_emitter_issues_exactly_its_ops(fake_pg, kind):
 
 def test_emitters_read_back_as_their_kind():
     # The graph readers (report, schedule check, transpose pass) know every op an emitter issues.
-    shares = {Kind.REDUCE: Kind.ALL_REDUCE, Kind.SCALED_ALL_REDUCE: Kind.ALL_REDUCE, Kind.PERMUTE: Kind.ALL_TO_ALL,
-              Kind.WEIGHTED_ALL_REDUCE: Kind.ALL_REDUCE}
+    shares = {
+        Kind.REDUCE: Kind.ALL_REDUCE,
+        Kind.SCALED_ALL_REDUCE: Kind.ALL_REDUCE,
+        Kind.PERMUTE: Kind.ALL_TO_ALL,
+        Kind.WEIGHTED_ALL_REDUCE: Kind.ALL_REDUCE,
+    }
     for kind, rule in RULES.items():
         for op in rule.ops:
             assert OPS[op].kind is shares.get(kind, kind), (kind, op)
@@ -166,11 +173,16 @@ def test_every_kind_has_one_rule_and_the_table_is_closed_under_transpose():
         ), (kind, params, back)
     # The pairs of the transpose table (docs/theory.md, section 3).
     assert {(k, r.transpose) for k, r in RULES.items()} >= {
-        (Kind.BROADCAST, Kind.REDUCE), (Kind.ALL_GATHER, Kind.REDUCE_SCATTER),
-        (Kind.REDUCE_SCATTER, Kind.ALL_GATHER), (Kind.ALL_REDUCE, Kind.ALL_REDUCE),
-        (Kind.SCALED_ALL_REDUCE, Kind.SCALED_ALL_REDUCE), (Kind.WEIGHTED_ALL_REDUCE, Kind.WEIGHTED_ALL_REDUCE),
+        (Kind.BROADCAST, Kind.REDUCE),
+        (Kind.ALL_GATHER, Kind.REDUCE_SCATTER),
+        (Kind.REDUCE_SCATTER, Kind.ALL_GATHER),
+        (Kind.ALL_REDUCE, Kind.ALL_REDUCE),
+        (Kind.SCALED_ALL_REDUCE, Kind.SCALED_ALL_REDUCE),
+        (Kind.WEIGHTED_ALL_REDUCE, Kind.WEIGHTED_ALL_REDUCE),
         (Kind.ALL_TO_ALL, Kind.ALL_TO_ALL),
-        (Kind.PERMUTE, Kind.PERMUTE), (Kind.LOCAL_CHUNK, Kind.ZERO_EMBED), (Kind.GATHER, Kind.INDEX_ADD),
+        (Kind.PERMUTE, Kind.PERMUTE),
+        (Kind.LOCAL_CHUNK, Kind.ZERO_EMBED),
+        (Kind.GATHER, Kind.INDEX_ADD),
     }
 
 
@@ -179,8 +191,14 @@ def test_what_is_left_of_a_sum_when_its_input_is_already_summed():
     assert ck.already_summed(Kind.ALL_REDUCE) == ()
     assert ck.already_summed(Kind.REDUCE_SCATTER) == (Kind.LOCAL_CHUNK,)
     assert ck.already_summed(Kind.REDUCE) == (Kind.KEEP_ROOT,)
-    for kind in (Kind.ALL_GATHER, Kind.ALL_TO_ALL, Kind.BROADCAST, Kind.PERMUTE, Kind.SCALED_ALL_REDUCE,
-                 Kind.WEIGHTED_ALL_REDUCE):
+    for kind in (
+        Kind.ALL_GATHER,
+        Kind.ALL_TO_ALL,
+        Kind.BROADCAST,
+        Kind.PERMUTE,
+        Kind.SCALED_ALL_REDUCE,
+        Kind.WEIGHTED_ALL_REDUCE,
+    ):
         assert ck.already_summed(kind) is None, kind
 
 
@@ -189,8 +207,10 @@ def test_transpose_params():
     assert RULES[Kind.PERMUTE].transpose_params({"shift": 3}) == {"shift": -3}
     assert RULES[Kind.PERMUTE].transpose_params({"perm": (2, 0, 3, 1)}) == {"perm": (1, 3, 0, 2)}
     # Weight before the sum (each rank's share of a mean) <-> weight after it (its cotangent).
-    assert RULES[Kind.WEIGHTED_ALL_REDUCE].transpose_params({"weights": (0.25, 0.75)}) == {"weights": (0.25, 0.75),
-                                                                                           "after": True}
+    assert RULES[Kind.WEIGHTED_ALL_REDUCE].transpose_params({"weights": (0.25, 0.75)}) == {
+        "weights": (0.25, 0.75),
+        "after": True,
+    }
 
 
 def test_a_duplicate_registration_raises():
@@ -216,14 +236,17 @@ def test_bytes_per_rank_ring_anchors():
         bytes_per_rank(Kind.ALL_REDUCE, s, 0)
 
 
-@pytest.mark.parametrize("kind, shape, params, message", [
-    (Kind.REDUCE_SCATTER, (6, 3), {"dim": 0}, "cannot split evenly"),
-    (Kind.LOCAL_CHUNK, (3, 5), {"dim": -1}, "cannot split evenly"),
-    (Kind.ALL_TO_ALL, (4, 4), {"src_dim": 1, "dst_dim": 1}, "must differ"),
-    (Kind.ALL_GATHER, (4, 4), {"dim": 2}, "out of range"),
-    (Kind.BROADCAST, (4,), {"root": 4}, "not a rank of a group of 4"),
-    (Kind.PERMUTE, (4,), {"perm": (0, 0, 1, 2)}, "not a permutation"),
-])
+@pytest.mark.parametrize(
+    "kind, shape, params, message",
+    [
+        (Kind.REDUCE_SCATTER, (6, 3), {"dim": 0}, "cannot split evenly"),
+        (Kind.LOCAL_CHUNK, (3, 5), {"dim": -1}, "cannot split evenly"),
+        (Kind.ALL_TO_ALL, (4, 4), {"src_dim": 1, "dst_dim": 1}, "must differ"),
+        (Kind.ALL_GATHER, (4, 4), {"dim": 2}, "out of range"),
+        (Kind.BROADCAST, (4,), {"root": 4}, "not a rank of a group of 4"),
+        (Kind.PERMUTE, (4,), {"perm": (0, 0, 1, 2)}, "not a permutation"),
+    ],
+)
 def test_bad_parameters_raise_before_communicating(fake_pg, kind, shape, params, message):
     with pytest.raises(CollectiveError, match=message):
         RULES[kind].emit(torch.randn(shape), dist.group.WORLD.group_name, **params)
@@ -234,16 +257,16 @@ def test_bad_parameters_raise_before_communicating(fake_pg, kind, shape, params,
 _AR, _AG, _RS, _A2A = ck.Kind.ALL_REDUCE, ck.Kind.ALL_GATHER, ck.Kind.REDUCE_SCATTER, ck.Kind.ALL_TO_ALL
 # (src, dst) on one mesh dim -> (forward kind, kinds its backward may issue), for every pair the solver costs.
 MOVES = {
-    ("R", "R"): (None, {_AR}),             # only the cotangent reduction of a replicated value
+    ("R", "R"): (None, {_AR}),  # only the cotangent reduction of a replicated value
     ("R", "P"): (None, {_AR}),
-    ("R", "S0"): (None, {_AG, _AR}),       # local chunk; its transpose is zero-embed + sum: all_gather
-    ("P", "R"): (_AR, {_AR}),              # the cotangent may arrive replicated (nothing) or partial
+    ("R", "S0"): (None, {_AG, _AR}),  # local chunk; its transpose is zero-embed + sum: all_gather
+    ("P", "R"): (_AR, {_AR}),  # the cotangent may arrive replicated (nothing) or partial
     ("P", "P"): (None, set()),
     ("P", "S0"): (_RS, {_AG}),
-    ("S0", "R"): (_AG, {_RS}),             # reduce_scatter when the cotangent arrives partial
-    ("S0", "P"): (_AG, set()),             # P's cotangent is replicated: a local chunk back
+    ("S0", "R"): (_AG, {_RS}),  # reduce_scatter when the cotangent arrives partial
+    ("S0", "P"): (_AG, set()),  # P's cotangent is replicated: a local chunk back
     ("S0", "S0"): (None, set()),
-    ("S0", "S1"): (_A2A, {_A2A, _AG}),     # gloo moves all_to_all as all_gather + keep a piece
+    ("S0", "S1"): (_A2A, {_A2A, _AG}),  # gloo moves all_to_all as all_gather + keep a piece
 }
 
 

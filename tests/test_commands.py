@@ -41,13 +41,16 @@ def test_demo():
     assert "(redistribute, blocks." in out and "_hca_logical" not in out and "L['self']" not in out
 
 
-@pytest.mark.parametrize("script,expect", [
-    ("tensor_parallel_mlp.py", "loss after 3 steps"),
-    ("data_parallel.py", "reduce_gradients: 1 bucket(s), 16896 bytes, 8 parameters"),
-    ("dp_tp_2d.py", "all_reduce"),
-    ("transformer_block.py", "max gradient relative error"),
-    ("heterogeneous.py", "PASS"),
-])
+@pytest.mark.parametrize(
+    "script,expect",
+    [
+        ("tensor_parallel_mlp.py", "loss after 3 steps"),
+        ("data_parallel.py", "reduce_gradients: 1 bucket(s), 16896 bytes, 8 parameters"),
+        ("dp_tp_2d.py", "all_reduce"),
+        ("transformer_block.py", "max gradient relative error"),
+        ("heterogeneous.py", "PASS"),
+    ],
+)
 def test_example_with_local_launch(script, expect):
     assert expect in run(sys.executable, f"examples/{script}")
 
@@ -59,9 +62,21 @@ def _free_loopback_port() -> int:
 
 
 def test_example_under_torchrun():
-    out = run(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-              "--master-addr", "127.0.0.1", "--master-port", str(_free_loopback_port()),
-              "--local-addr", "127.0.0.1", "examples/tensor_parallel_mlp.py", timeout=120)
+    out = run(
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_loopback_port()),
+        "--local-addr",
+        "127.0.0.1",
+        "examples/tensor_parallel_mlp.py",
+        timeout=120,
+    )
     assert "loss after 3 steps" in out
 
 
@@ -75,7 +90,20 @@ def test_readme_use_snippet_with_python(block, tmp_path):
 
 @pytest.mark.parametrize("block", USE, ids=[b.id for b in USE])
 def test_readme_use_snippet_under_torchrun(block, tmp_path):
-    out = run_script(block, tmp_path, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                     "--master-addr", "127.0.0.1", "--master-port", str(_free_loopback_port()),
-                     "--local-addr", "127.0.0.1", timeout=180)
+    out = run_script(
+        block,
+        tmp_path,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_loopback_port()),
+        "--local-addr",
+        "127.0.0.1",
+        timeout=180,
+    )
     assert "all_reduce" in out

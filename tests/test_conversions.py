@@ -37,14 +37,18 @@ def named_ok(model) -> bool:
     return names_and_roles(model) == {n: (n, r) for n, r in ROLES.items()}
 
 
-@pytest.mark.parametrize("convert,dtype", [
-    (lambda m: m.double(), torch.float64),
-    (lambda m: m.to(torch.float64), torch.float64),
-    (lambda m: m.double().float(), torch.float32),
-    (lambda m: m.to(torch.bfloat16), torch.bfloat16),
-    (lambda m: m.to("cpu"), torch.float32),
-    (lambda m: m.to(device="cpu", dtype=torch.float64), torch.float64),
-], ids=["double", "to_dtype", "double_float", "bfloat16", "to_cpu", "to_device_dtype"])
+@pytest.mark.parametrize(
+    "convert,dtype",
+    [
+        (lambda m: m.double(), torch.float64),
+        (lambda m: m.to(torch.float64), torch.float64),
+        (lambda m: m.double().float(), torch.float32),
+        (lambda m: m.to(torch.bfloat16), torch.bfloat16),
+        (lambda m: m.to("cpu"), torch.float32),
+        (lambda m: m.to(device="cpu", dtype=torch.float64), torch.float64),
+    ],
+    ids=["double", "to_dtype", "double_float", "bfloat16", "to_cpu", "to_device_dtype"],
+)
 def test_conversion_keeps_parameters_and_their_names(fake_pg, convert, dtype):
     model = sharded(fake_pg)
     before = {n: (id(p), p.to_local().clone(), p.placements) for n, p in model.named_parameters()}
@@ -87,7 +91,9 @@ def test_optimizer_built_before_a_conversion_still_steps(fake_pg):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model.double()
     for p in model.parameters():
-        p.grad = torch.distributed.tensor.zeros(p.shape, dtype=p.dtype, device_mesh=p.device_mesh, placements=p.placements)
+        p.grad = torch.distributed.tensor.zeros(
+            p.shape, dtype=p.dtype, device_mesh=p.device_mesh, placements=p.placements
+        )
     opt.step()
     assert all(p.dtype == torch.float64 for g in opt.param_groups for p in g["params"])
 
@@ -110,7 +116,9 @@ def test_torch_save_load_round_trip(fake_pg):
 def test_deepcopy(fake_pg):
     model = sharded(fake_pg)
     twin = copy.deepcopy(model)
-    assert twin.fc1.weight is not model.fc1.weight and torch.equal(twin.fc1.weight.to_local(), model.fc1.weight.to_local())
+    assert twin.fc1.weight is not model.fc1.weight and torch.equal(
+        twin.fc1.weight.to_local(), model.fc1.weight.to_local()
+    )
     assert named_ok(twin) and named_ok(model)
     assert twin.__dict__["_hca_logical"].inner is twin
 
@@ -141,6 +149,7 @@ def test_torch_load_without_the_world_says_so(fake_pg):
             torch.load(buf, weights_only=False)
     finally:
         from torch.testing._internal.distributed.fake_pg import FakeStore
+
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)  # for the fixture to close
 
 

@@ -44,7 +44,7 @@ def _error_names(page: str, section: str) -> list[str]:
     """The error classes a page lists: `### hca.X` headings of its Errors section, or `## X` headings."""
     text = (ROOT / "docs" / page).read_text(encoding="utf-8")
     if section:
-        text = text[text.index(section):]
+        text = text[text.index(section) :]
     return re.findall(r"^#{2,3} `(?:hca\.)?(\w+Error)`", text, re.MULTILINE)
 
 
@@ -82,7 +82,6 @@ def test_the_concepts_page_lists_the_pipeline_stages_in_the_order_they_run():
     # The run_pass list above them (1. dumps, 2. lints, 3. appends) has no bold names: only stages match.
     named = [(int(n), name.lower().removesuffix(" pass")) for n, name in steps]
     assert named == [(i + 1, name.lower()) for i, (name, _) in enumerate(STAGES)]
-
 
 
 def test_the_code_layout_names_every_module_of_every_room():

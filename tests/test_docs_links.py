@@ -40,7 +40,9 @@ def _files() -> list[Path]:
         pytest.skip("not a git checkout: the file list comes from git")
     out = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, capture_output=True, check=True,
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
     ).stdout.decode()
     names = [n for n in out.split("\0") if n.endswith((".py", ".md"))]
     return [ROOT / n for n in sorted(set(names)) if (ROOT / n).is_file()]
@@ -124,8 +126,7 @@ def test_the_checker_sees_a_broken_link(tmp_path):
     page = tmp_path / "docs" / "b.md"
     docs, core = "docs", "torch_hca"  # kept apart so this file itself links nothing missing
     page.write_text(
-        "[ok](a.md#title-here) [gone](missing.md) [bad anchor](a.md#nope)\n"
-        f"`{docs}/a.md` and `{core}/nothing.py:fn`\n",
+        f"[ok](a.md#title-here) [gone](missing.md) [bad anchor](a.md#nope)\n`{docs}/a.md` and `{core}/nothing.py:fn`\n",
         encoding="utf-8",
     )
     broken = _broken_links(page, root=tmp_path)

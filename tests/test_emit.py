@@ -33,8 +33,10 @@ def _reduce_graph(source: str, also_returned: bool) -> fx.GraphModule:
         cat = g.call_function(aten.cat.default, ([a, b],))
         view = aten.view.default if source == "view" else aten._unsafe_view.default  # unsafe_view*
         buffer = g.call_function(view, (cat, [-1]))
-    reduced = g.call_function(c10d.wait_tensor.default,
-                              (g.call_function(c10d.all_reduce.default, (buffer, "sum", dist.group.WORLD.group_name)),))
+    reduced = g.call_function(
+        c10d.wait_tensor.default,
+        (g.call_function(c10d.all_reduce.default, (buffer, "sum", dist.group.WORLD.group_name)),),
+    )
     g.output((reduced, buffer) if also_returned else (reduced, cat) if source == "unsafe_view" else (reduced,))
     return fx.GraphModule({}, g)
 
@@ -55,8 +57,9 @@ def test_a_bucket_only_the_reduction_reads_is_reduced_in_place(fake_pg, source):
 
 
 # `_unsafe_view`'s schema declares no alias, but its result shares its input's memory.
-@pytest.mark.parametrize("source,also_returned", [("cat", True), ("input", False), ("view", False),
-                                                  ("unsafe_view", False)])
+@pytest.mark.parametrize(
+    "source,also_returned", [("cat", True), ("input", False), ("view", False), ("unsafe_view", False)]
+)
 def test_a_buffer_someone_else_may_read_keeps_the_copy(fake_pg, source, also_returned):
     gm = _reduce_graph(source, also_returned)
     assert eager_graph(gm) is gm
@@ -87,14 +90,25 @@ def test_gloo_runs_a_reduce_scatter_as_an_all_reduce_keeping_its_own_rows(worlds
     from collective_cases import reduce_scatter_as_emitted
 
     for r in worlds(world_size).run(reduce_scatter_as_emitted, 7):
-        assert r["ops"] == ["aten.cat.default", "_c10d_functional.all_reduce_.default", "aten.slice.Tensor",
-                            "_c10d_functional.wait_tensor.default", "aten.clone.default"]
+        assert r["ops"] == [
+            "aten.cat.default",
+            "_c10d_functional.all_reduce_.default",
+            "aten.slice.Tensor",
+            "_c10d_functional.wait_tensor.default",
+            "aten.clone.default",
+        ]
         assert "_c10d_functional.reduce_scatter_tensor.default" in r["report_ops"]
         assert r["err"] <= 1e-6 and r["shape"] == [3, 3] and r["own_storage"]
     # A bucket as the schedule pass makes it, viewed flat: still summed in place, no copy of the bucket.
     for r in worlds(world_size).run(reduce_scatter_as_emitted, 7, True):
-        assert r["ops"] == ["aten.cat.default", "aten.view.default", "_c10d_functional.all_reduce_.default",
-                            "aten.slice.Tensor", "_c10d_functional.wait_tensor.default", "aten.clone.default"]
+        assert r["ops"] == [
+            "aten.cat.default",
+            "aten.view.default",
+            "_c10d_functional.all_reduce_.default",
+            "aten.slice.Tensor",
+            "_c10d_functional.wait_tensor.default",
+            "aten.clone.default",
+        ]
         assert r["err"] <= 1e-6 and r["shape"] == [9] and r["own_storage"]
 
 

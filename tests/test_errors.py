@@ -58,7 +58,9 @@ def test_plan_key_not_a_string(fake_pg):
 
 
 def test_plan_value_not_a_placement(fake_pg):
-    with pytest.raises(hca.PlanError, match=r"parameter 'fc1\.weight' \(pattern 'fc1\.weight'\): 'shard' is not a placement") as info:
+    with pytest.raises(
+        hca.PlanError, match=r"parameter 'fc1\.weight' \(pattern 'fc1\.weight'\): 'shard' is not a placement"
+    ) as info:
         hca.sharded({"fc1.weight": "shard"})(zoo.MLP())
     assert "write Shard(d), Replicate(), or a tuple" in str(info.value)
     assert not isinstance(info.value, hca.PlacementError)
@@ -66,13 +68,17 @@ def test_plan_value_not_a_placement(fake_pg):
 
 def test_plan_value_placement_class_not_instance(fake_pg):
     # `Shard` without "(d)": the class, not a placement.
-    with pytest.raises(hca.PlanError, match=r"parameter 'fc2\.bias' \(pattern 'fc2\.bias'\): .*is not a placement; write Shard\(d\)"):
+    with pytest.raises(
+        hca.PlanError, match=r"parameter 'fc2\.bias' \(pattern 'fc2\.bias'\): .*is not a placement; write Shard\(d\)"
+    ):
         hca.sharded({"fc2.bias": Replicate})(zoo.MLP())
 
 
 def test_overlapping_patterns_disagree(fake_pg):
     plan = {"fc1.*": Shard(0), "*.weight": Shard(1)}
-    with pytest.raises(hca.PlanError, match=r"parameter 'fc1\.weight' is matched by 'fc1\.\*' .* and by '\*\.weight'") as info:
+    with pytest.raises(
+        hca.PlanError, match=r"parameter 'fc1\.weight' is matched by 'fc1\.\*' .* and by '\*\.weight'"
+    ) as info:
         hca.sharded(plan)(zoo.MLP())
     assert "make the patterns disjoint" in str(info.value)
 
@@ -93,7 +99,9 @@ def test_sharded_instance_of_decorated_class(fake_pg):
     class MLP(zoo.MLP):
         pass
 
-    with pytest.raises(hca.PlanError, match=r"already sharded; apply the decorator once, to the class or to the instance"):
+    with pytest.raises(
+        hca.PlanError, match=r"already sharded; apply the decorator once, to the class or to the instance"
+    ):
         hca.sharded(zoo.MEGATRON_MLP)(MLP())
 
 
@@ -125,19 +133,28 @@ def test_failed_plan_leaves_the_module_untouched(fake_pg):
 
 
 def test_shard_dimension_the_tensor_lacks(fake_pg):
-    with pytest.raises(hca.PlacementError, match=r"parameter 'fc1\.bias' \(pattern 'fc1\.bias'\): Shard\(1\) on a tensor of shape \(32,\)") as info:
+    with pytest.raises(
+        hca.PlacementError,
+        match=r"parameter 'fc1\.bias' \(pattern 'fc1\.bias'\): Shard\(1\) on a tensor of shape \(32,\)",
+    ) as info:
         hca.sharded({"fc1.bias": Shard(1)})(zoo.MLP())
     assert "pick a dimension in 0..0" in str(info.value)
 
 
 def test_negative_shard_dimension_out_of_range(fake_pg):
-    with pytest.raises(hca.PlacementError, match=r"parameter 'fc2\.weight' .*Shard\(-3\) on a tensor of shape \(16, 32\).*pick a dimension in 0\.\.1"):
+    with pytest.raises(
+        hca.PlacementError,
+        match=r"parameter 'fc2\.weight' .*Shard\(-3\) on a tensor of shape \(16, 32\).*pick a dimension in 0\.\.1",
+    ):
         hca.sharded({"fc2.weight": Shard(-3)})(zoo.MLP())
 
 
 def test_uneven_shard(fake_pg):
     # hidden=30: fc1.weight is (30, 16); 30 rows over 4 ranks do not divide.
-    with pytest.raises(hca.PlacementError, match=r"parameter 'fc1\.weight' \(pattern 'fc1\.\*'\): dimension 0 of size 30 does not divide evenly over 4 ranks") as info:
+    with pytest.raises(
+        hca.PlacementError,
+        match=r"parameter 'fc1\.weight' \(pattern 'fc1\.\*'\): dimension 0 of size 30 does not divide evenly over 4 ranks",
+    ) as info:
         hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP(dim=16, hidden=30))
     assert "change the size, the mesh, or shard another dimension" in str(info.value)
 
@@ -145,13 +162,18 @@ def test_uneven_shard(fake_pg):
 def test_uneven_shard_over_two_mesh_dims(fake_pg):
     mesh = _mesh_2d()
     # dim 0 of fc2.bias (size 6) split over dp and tp: 4 ways, 6 % 4 != 0.
-    with pytest.raises(hca.PlacementError, match=r"parameter 'fc2\.bias' .*dimension 0 of size 6 does not divide evenly over 4 ranks"):
+    with pytest.raises(
+        hca.PlacementError, match=r"parameter 'fc2\.bias' .*dimension 0 of size 6 does not divide evenly over 4 ranks"
+    ):
         hca.sharded({"fc2.bias": (Shard(0), Shard(0))}, mesh=mesh)(zoo.MLP(dim=6, hidden=8))
 
 
 def test_wrong_number_of_placements_for_the_mesh(fake_pg):
     mesh = _mesh_2d()
-    with pytest.raises(hca.PlacementError, match=r"parameter 'fc1\.weight' \(pattern 'fc1\.weight'\): 1 placement\(s\) \(Shard\(dim=0\),\) for a 2-D mesh \(2, 2\)") as info:
+    with pytest.raises(
+        hca.PlacementError,
+        match=r"parameter 'fc1\.weight' \(pattern 'fc1\.weight'\): 1 placement\(s\) \(Shard\(dim=0\),\) for a 2-D mesh \(2, 2\)",
+    ) as info:
         hca.sharded({"fc1.weight": (Shard(0),)}, mesh=mesh)(zoo.MLP())
     assert "give one placement per mesh dimension" in str(info.value)
 
@@ -159,7 +181,10 @@ def test_wrong_number_of_placements_for_the_mesh(fake_pg):
 def test_bare_shard_on_a_2d_mesh(fake_pg):
     # A bare placement is a 1-D layout: Shard(0) alone is ambiguous on (dp, tp).
     _mesh_2d()  # current mesh
-    with pytest.raises(hca.PlacementError, match=r"parameter 'fc2\.weight' .*1 placement\(s\) .* for a 2-D mesh .*one placement per mesh dimension"):
+    with pytest.raises(
+        hca.PlacementError,
+        match=r"parameter 'fc2\.weight' .*1 placement\(s\) .* for a 2-D mesh .*one placement per mesh dimension",
+    ):
         hca.sharded({"fc2.weight": Shard(1)})(zoo.MLP())
 
 
@@ -174,7 +199,10 @@ def test_bare_replicate_and_default_io_on_a_2d_mesh(fake_pg):
 
 
 def test_partial_as_parameter_storage(fake_pg):
-    with pytest.raises(hca.PlacementError, match=r"parameter 'fc2\.weight' \(pattern 'fc2\.weight'\): Partial\(\) is not a storage placement") as info:
+    with pytest.raises(
+        hca.PlacementError,
+        match=r"parameter 'fc2\.weight' \(pattern 'fc2\.weight'\): Partial\(\) is not a storage placement",
+    ) as info:
         hca.sharded({"fc2.weight": Partial()})(zoo.MLP())
     assert "use Shard(d) or Replicate()" in str(info.value)
 
@@ -188,18 +216,26 @@ def test_partial_as_parameter_storage(fake_pg):
     ],
 )
 def test_partial_as_forward_io(fake_pg, kwargs, what):
-    with pytest.raises(hca.PlacementError, match=rf"hca\.sharded {what}: Partial\(\) is not supported for forward arguments or results; use Shard\(d\) or Replicate\(\)"):
+    with pytest.raises(
+        hca.PlacementError,
+        match=rf"hca\.sharded {what}: Partial\(\) is not supported for forward arguments or results; use Shard\(d\) or Replicate\(\)",
+    ):
         hca.sharded(zoo.MEGATRON_MLP, **kwargs)(zoo.MLP())
 
 
 def test_io_not_a_placement(fake_pg):
-    with pytest.raises(hca.PlanError, match=r"hca\.sharded outputs: 'replicate' is not a placement; write Shard\(d\), Replicate\(\)"):
+    with pytest.raises(
+        hca.PlanError, match=r"hca\.sharded outputs: 'replicate' is not a placement; write Shard\(d\), Replicate\(\)"
+    ):
         hca.sharded(zoo.MEGATRON_MLP, outputs="replicate")(zoo.MLP())
 
 
 def test_input_shard_dimension_the_argument_lacks(fake_pg):
     model = hca.sharded(zoo.MEGATRON_MLP, inputs=Shard(2))(zoo.MLP())
-    with pytest.raises(hca.PlacementError, match=r"forward argument 0: inputs placement Shard\(2\) on a tensor of shape \(8, 16\); change `inputs=` in hca\.sharded"):
+    with pytest.raises(
+        hca.PlacementError,
+        match=r"forward argument 0: inputs placement Shard\(2\) on a tensor of shape \(8, 16\); change `inputs=` in hca\.sharded",
+    ):
         model(torch.randn(8, 16))
 
 
@@ -209,7 +245,9 @@ def test_input_shard_dimension_the_argument_lacks(fake_pg):
 def test_no_mesh_and_no_process_group():
     assert not dist.is_initialized()
     reset_current_mesh()
-    with pytest.raises(hca.MeshError, match=r"no mesh given and none is current; call hca\.init_mesh\(\) first or pass mesh=\.\.\."):
+    with pytest.raises(
+        hca.MeshError, match=r"no mesh given and none is current; call hca\.init_mesh\(\) first or pass mesh=\.\.\."
+    ):
         hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP())
 
 
@@ -217,7 +255,10 @@ def test_init_mesh_without_process_group_or_env(monkeypatch):
     assert not dist.is_initialized()
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
-    with pytest.raises(hca.MeshError, match=r"no process group is initialized and the environment lacks RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT\. Put the work in a function and end the script with `hca\.run\(main, n\)`"):
+    with pytest.raises(
+        hca.MeshError,
+        match=r"no process group is initialized and the environment lacks RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT\. Put the work in a function and end the script with `hca\.run\(main, n\)`",
+    ):
         hca.init_mesh(device_type="cpu")
     assert not dist.is_initialized()
 
@@ -234,14 +275,18 @@ def test_mesh_not_a_device_mesh(fake_pg):
 
 
 def test_mesh_size_does_not_match_world(fake_pg):
-    with pytest.raises(hca.MeshError, match=r"mesh shape \(3,\) holds 3 ranks but the world has 4; pick a shape whose product is 4"):
+    with pytest.raises(
+        hca.MeshError, match=r"mesh shape \(3,\) holds 3 ranks but the world has 4; pick a shape whose product is 4"
+    ):
         hca.init_mesh((3,))
     with pytest.raises(hca.MeshError, match=r"mesh shape \(2, 4\) holds 8 ranks but the world has 4"):
         hca.init_mesh((2, 4), ("dp", "tp"))
 
 
 def test_mesh_names_do_not_match_shape(fake_pg):
-    with pytest.raises(hca.MeshError, match=r"1 names \('a',\) for a 2-D shape \(2, 2\); give one name per mesh dimension"):
+    with pytest.raises(
+        hca.MeshError, match=r"1 names \('a',\) for a 2-D shape \(2, 2\); give one name per mesh dimension"
+    ):
         hca.init_mesh((2, 2), ("a",))
 
 
@@ -260,7 +305,9 @@ def test_mesh_bad_names(fake_pg, names, message):
 
 @pytest.mark.parametrize("shape", [(0, 4), (-2, -2), (2.0, 2), "4"])
 def test_mesh_bad_shape(fake_pg, shape):
-    with pytest.raises(hca.MeshError, match=r"init_mesh: shape .* must be positive integers, e\.g\. init_mesh\(\(2, 2\)\)"):
+    with pytest.raises(
+        hca.MeshError, match=r"init_mesh: shape .* must be positive integers, e\.g\. init_mesh\(\(2, 2\)\)"
+    ):
         hca.init_mesh(shape)
 
 
@@ -271,7 +318,9 @@ def test_mesh_unknown_device_type(fake_pg):
 
 def test_submesh_smaller_than_world(fake_pg):
     tp = _mesh_2d()["tp"]
-    with pytest.raises(hca.MeshError, match=r"the mesh holds 2 ranks but the world has 4; build the mesh over the whole world"):
+    with pytest.raises(
+        hca.MeshError, match=r"the mesh holds 2 ranks but the world has 4; build the mesh over the whole world"
+    ):
         hca.sharded(zoo.MEGATRON_MLP, mesh=tp)(zoo.MLP())
 
 
@@ -346,7 +395,10 @@ def test_launch_invalid_world_size(world_size):
 
 
 def test_report_of_an_uncompiled_module():
-    with pytest.raises(hca.HCAError, match=r"no graph of this MLP was compiled with backend='hca'; .*call the compiled module once first"):
+    with pytest.raises(
+        hca.HCAError,
+        match=r"no graph of this MLP was compiled with backend='hca'; .*call the compiled module once first",
+    ):
         hca.report(zoo.MLP())
 
 
@@ -357,12 +409,21 @@ def test_report_of_a_non_module():
 
 def test_report_with_nothing_compiled(monkeypatch):
     monkeypatch.setattr(importlib.import_module("torch_hca.report.compile_report"), "_GRAPHS", [])
-    with pytest.raises(hca.HCAError, match=r"hca\.report\(\): nothing has been compiled with backend='hca' in this process"):
+    with pytest.raises(
+        hca.HCAError, match=r"hca\.report\(\): nothing has been compiled with backend='hca' in this process"
+    ):
         hca.report()
 
 
 def test_every_error_is_an_hca_error():
-    for cls in (hca.MeshError, hca.PlanError, hca.PlacementError, hca.OptionsError,
-                hca.UnsupportedError, hca.CheckError, hca.RankError):
+    for cls in (
+        hca.MeshError,
+        hca.PlanError,
+        hca.PlacementError,
+        hca.OptionsError,
+        hca.UnsupportedError,
+        hca.CheckError,
+        hca.RankError,
+    ):
         assert issubclass(cls, hca.HCAError)
     assert issubclass(hca.PlacementError, hca.PlanError)

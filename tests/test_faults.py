@@ -83,6 +83,7 @@ def test_a_job_may_outlast_the_timeout(short_world):
 
 # ------------------------------------------------------------------- init_mesh
 
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
 def test_init_mesh_cuda_without_cuda_is_a_mesh_error():
     with pytest.raises(hca.MeshError, match=r"device_type='cuda' but CUDA is not available .*use device_type='cpu'"):
@@ -90,14 +91,23 @@ def test_init_mesh_cuda_without_cuda_is_a_mesh_error():
     assert not dist.is_initialized()
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"shape": 2.0}, r"shape 2\.0 must be positive integers, e\.g\. init_mesh\(\(2, 2\)\)"),
-    ({"shape": ()}, r"shape \(\) must be positive integers"),
-    ({"names": "dp"}, r"names 'dp' is one string; give a sequence with one name per mesh dimension, "
-                      r"e\.g\. names=\('dp',\)"),
-    ({"names": ("dp", "tp")}, r"2 names \('dp', 'tp'\) for a 1-D shape \(world,\); give one name per mesh dimension"),
-    ({"device_type": ["cpu"]}, r"unknown device \['cpu'\]; use 'cpu' or 'cuda'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"shape": 2.0}, r"shape 2\.0 must be positive integers, e\.g\. init_mesh\(\(2, 2\)\)"),
+        ({"shape": ()}, r"shape \(\) must be positive integers"),
+        (
+            {"names": "dp"},
+            r"names 'dp' is one string; give a sequence with one name per mesh dimension, "
+            r"e\.g\. names=\('dp',\)",
+        ),
+        (
+            {"names": ("dp", "tp")},
+            r"2 names \('dp', 'tp'\) for a 1-D shape \(world,\); give one name per mesh dimension",
+        ),
+        ({"device_type": ["cpu"]}, r"unknown device \['cpu'\]; use 'cpu' or 'cuda'"),
+    ],
+)
 def test_init_mesh_refuses_bad_input_before_making_a_group(kwargs, message):
     with pytest.raises(hca.MeshError, match=rf"^init_mesh: {message}"):
         hca.init_mesh(**kwargs)
@@ -109,8 +119,10 @@ def test_init_mesh_refuses_bad_input_before_making_a_group(kwargs, message):
 MISMATCHES = {  # case: what each rank's call must show in the message
     "shape": ("forward all_reduce() on float32[4, 8]", "forward all_reduce() on float32[4, 9]"),
     "dtype": ("forward all_reduce() on float32[4]", "forward all_reduce() on float64[4]"),
-    "roles": ("forward all_reduce() on float32[4], backward nothing",
-              "forward all_reduce() on float32[4], backward all_reduce()"),
+    "roles": (
+        "forward all_reduce() on float32[4], backward nothing",
+        "forward all_reduce() on float32[4], backward all_reduce()",
+    ),
     "op": ("forward all_reduce() on float32[4, 2]", "forward all_gather(dim=0) on float32[4, 2]"),
     "root": ("forward broadcast(root=0)", "forward broadcast(root=1)"),
 }
@@ -147,6 +159,7 @@ def test_a_call_on_one_rank_only_is_a_check_error_after_the_timeout(short_world)
 
 
 # --------------------------------------------------------------- a killed rank
+
 
 @pytest.mark.parametrize("how, where", [("sigkill", "gloo"), ("exit", "check")])
 def test_a_killed_peer_is_named_within_twice_the_timeout(tmp_path, how, where):

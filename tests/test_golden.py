@@ -121,7 +121,9 @@ class TestGolden(FakePGTestCase):
             "    y = f(L_x_, (torch.distributed.tensor.placement_types.Replicate(),));  L_x_ = L_w_ = None\n"
             "    \n    return (y,)\n    \n"
         )
-        self.assertExpectedInline(normalize(code), """\
+        self.assertExpectedInline(
+            normalize(code),
+            """\
 def forward(
     self,
     L_x_: Tensor,
@@ -130,12 +132,17 @@ def forward(
     L_b_: Tensor,
 ):
     y = f(L_x_, (Replicate(),))
-    return (y,)""")
-        self.assertEqual(normalize("def forward(self, a, b):\n    return (a,)"), "def forward(self, a, b):\n    return (a,)")
+    return (y,)""",
+        )
+        self.assertEqual(
+            normalize("def forward(self, a, b):\n    return (a,)"), "def forward(self, a, b):\n    return (a,)"
+        )
 
     def test_mlp_dtensor_program(self):
         r = self.mlp_report()
-        self.assertExpectedInline(normalize(r.dtensor_code), """\
+        self.assertExpectedInline(
+            normalize(r.dtensor_code),
+            """\
 def forward(
     self,
     L_self_modules_fc1_parameters_weight_: DTensor,
@@ -157,11 +164,14 @@ def forward(
     out = torch._C._nn.linear(gelu, l_self_modules_fc2_parameters_weight_, redistribute)
     redistribute_1 = torch_hca_compiler_dtensor_ops_redistribute(out, (Replicate(),))
     to_output = torch_hca_compiler_dtensor_ops_to_output(redistribute_1, (Replicate(),))
-    return (to_output,)""")
+    return (to_output,)""",
+        )
 
     def test_mlp_forward_graph(self):
         r = self.mlp_report()
-        self.assertExpectedInline(normalize(r.forward.code), """\
+        self.assertExpectedInline(
+            normalize(r.forward.code),
+            """\
 def forward(
     self,
     primals_1,
@@ -185,11 +195,14 @@ def forward(
     all_reduce = torch.ops._c10d_functional.all_reduce.default(addmm_1, 'sum', '0')
     wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_reduce)
     view_2 = torch.ops.aten.view.default(wait_tensor, [8, 64])
-    return (view_2, view_1, addmm, gelu, t_1, primals_2)""")
+    return (view_2, view_1, addmm, gelu, t_1, primals_2)""",
+        )
 
     def test_mlp_backward_graph(self):
         r = self.mlp_report()
-        self.assertExpectedInline(normalize(r.backward.code), """\
+        self.assertExpectedInline(
+            normalize(r.backward.code),
+            """\
 def forward(
     self,
     view_1,
@@ -215,13 +228,17 @@ def forward(
     sum_2 = torch.ops.aten.sum.dim_IntList(gelu_backward, [0], True)
     view_5 = torch.ops.aten.view.default(sum_2, [64])
     t_8 = torch.ops.aten.t.default(t_7)
-    return (t_8, primals_2, view_5, primals_2, t_5, primals_2, view_4, primals_2, None)""")
+    return (t_8, primals_2, view_5, primals_2, t_5, primals_2, view_4, primals_2, None)""",
+        )
 
     def test_mlp_collectives_table(self):
         r = self.mlp_report()
-        self.assertExpectedInline(normalize_table(r.table()), """\
+        self.assertExpectedInline(
+            normalize_table(r.table()),
+            """\
 graph  dir  kind        group  n  shape  dtype    bytes  wire/rank  partner  rule
-#      for  all_reduce  0      4  8x64   float32  2048   3072       -        all_reduce of redistribute_1 (redistribute; mesh dim 0: P -> R); no backward collective transposes it""")
+#      for  all_reduce  0      4  8x64   float32  2048   3072       -        all_reduce of redistribute_1 (redistribute; mesh dim 0: P -> R); no backward collective transposes it""",
+        )
         self.assertEqual(r.collective_counts("forward"), {"all_reduce": 1})
         self.assertEqual(r.collective_counts("backward"), {})
 
@@ -229,7 +246,9 @@ graph  dir  kind        group  n  shape  dtype    bytes  wire/rank  partner  rul
         torch.manual_seed(0)
         model = hca.sharded(zoo.TP_BLOCK)(zoo.TransformerBlock(128, 4, 512))
         r = self.compile_and_step(model, torch.randn(2, 6, 128))
-        self.assertExpectedInline(normalize(r.dtensor_code), """\
+        self.assertExpectedInline(
+            normalize(r.dtensor_code),
+            """\
 def forward(
     self,
     L_self_modules_norm1_parameters_weight_: DTensor,
@@ -289,7 +308,8 @@ def forward(
     redistribute_2 = torch_hca_compiler_dtensor_ops_redistribute(linear_5, (Replicate(),))
     out = x + redistribute_2
     to_output = torch_hca_compiler_dtensor_ops_to_output(out, (Replicate(),))
-    return (to_output,)""")
+    return (to_output,)""",
+        )
         self.assertEqual(r.collective_counts("forward"), {"all_reduce": 2})
         self.assertEqual(r.collective_counts("backward"), {"all_reduce": 2})
 

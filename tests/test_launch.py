@@ -67,9 +67,11 @@ def test_run_calls_fn_in_this_process_under_torchrun(monkeypatch):
 
 _MIB = 2**20
 # A fresh process: glibc's defaults, then keep_freed_memory() where asked.
-_FRESH = ("import sys, launch_cases\nfrom torch_hca.runtime.launch import keep_freed_memory\n"
-          "applied = keep_freed_memory() if sys.argv[1] == 'keep' else False\n"
-          "print(applied, launch_cases.rss_drop_after_freeing_64_mib())")
+_FRESH = (
+    "import sys, launch_cases\nfrom torch_hca.runtime.launch import keep_freed_memory\n"
+    "applied = keep_freed_memory() if sys.argv[1] == 'keep' else False\n"
+    "print(applied, launch_cases.rss_drop_after_freeing_64_mib())"
+)
 
 
 def _fresh_process(mode: str, **env: str) -> tuple[bool, int]:
@@ -77,8 +79,14 @@ def _fresh_process(mode: str, **env: str) -> tuple[bool, int]:
     import sys
 
     here = os.path.dirname(__file__)
-    out = subprocess.run([sys.executable, "-c", _FRESH, mode], capture_output=True, text=True, check=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", ""), **env})
+    out = subprocess.run(
+        [sys.executable, "-c", _FRESH, mode],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", ""), **env},
+    )
     applied, drop = out.stdout.split()
     return applied == "True", int(drop)
 

@@ -32,11 +32,19 @@ PACKAGES = {"torch_hca": "torch_hca", "passes": "torch_hca.passes", "backends": 
 
 # Module prefix -> room; the first match wins, so the package root comes last.
 ROOMS = (
-    ("torch_hca.errors", "base"), ("torch_hca._torch_private", "base"), ("torch_hca.spmd", "spmd"),
-    ("torch_hca.runtime", "runtime"), ("torch_hca.compiler", "compiler"), ("torch_hca.report", "report"),
-    ("torch_hca.api", "api"), ("torch_hca.verify", "verify"),
-    ("torch_hca.passes", "passes"), ("torch_hca.backends", "backends"),
-    ("torch_hca.tools", "tools"), ("torch_hca.__main__", "command line"), ("torch_hca", "package root"),
+    ("torch_hca.errors", "base"),
+    ("torch_hca._torch_private", "base"),
+    ("torch_hca.spmd", "spmd"),
+    ("torch_hca.runtime", "runtime"),
+    ("torch_hca.compiler", "compiler"),
+    ("torch_hca.report", "report"),
+    ("torch_hca.api", "api"),
+    ("torch_hca.verify", "verify"),
+    ("torch_hca.passes", "passes"),
+    ("torch_hca.backends", "backends"),
+    ("torch_hca.tools", "tools"),
+    ("torch_hca.__main__", "command line"),
+    ("torch_hca", "package root"),
 )
 _BELOW = ("base", "spmd", "runtime", "compiler", "report")
 MAY_IMPORT = {
@@ -159,9 +167,14 @@ def test_imports_are_resolved_against_the_installed_names(tmp_path, monkeypatch)
     (core / "runtime" / "up.py").write_text("from ..compiler.logical import ENTER\nfrom ..spmd import placements\n")
     (passes / "__init__.py").write_text("")
     (passes / "worse.py").write_text("from ..backends import emit\n")
-    (passes / "fine.py").write_text("from .infra import PassContext\nfrom torch_hca.report.compile_report import GraphReport\n")
+    (passes / "fine.py").write_text(
+        "from .infra import PassContext\nfrom torch_hca.report.compile_report import GraphReport\n"
+    )
 
-    assert imported_modules("passes", passes / "worse.py") == [(1, "torch_hca.backends"), (1, "torch_hca.backends.emit")]
+    assert imported_modules("passes", passes / "worse.py") == [
+        (1, "torch_hca.backends"),
+        (1, "torch_hca.backends.emit"),
+    ]
     assert imported_modules("passes", passes / "fine.py")[0] == (1, "torch_hca.passes.infra")
     assert _violations("torch_hca") == [
         "torch_hca/bad.py:2 imports torch_hca.passes (package root -> passes)",
@@ -188,8 +201,12 @@ def test_import_torch_hca_loads_neither_passes_nor_backends():
 def test_the_verifier_imports_only_the_algebra_and_the_errors():
     """torch_hca/verify/ shares no code with the compiler that wrote the strategy (docs/strategy.md)."""
     allowed = ("torch_hca.errors", "torch_hca.spmd", "torch_hca.verify")
-    found = [(p.name, line, m) for p in (ROOT / "torch_hca" / "verify").rglob("*.py")
-             for line, m in imported_modules("torch_hca", p) if m.startswith("torch_hca")]
+    found = [
+        (p.name, line, m)
+        for p in (ROOT / "torch_hca" / "verify").rglob("*.py")
+        for line, m in imported_modules("torch_hca", p)
+        if m.startswith("torch_hca")
+    ]
     assert found, "no torch_hca import read from torch_hca/verify/"
     assert [f for f in found if not m_allowed(f[2], allowed)] == []
 

@@ -25,7 +25,9 @@ from dist_cases import NormMLP
 
 
 def compile_and_step(model, x, **options):
-    compiled = torch.compile(model, backend="hca", options={"strict": True, "schedule": False, **options}, dynamic=False)
+    compiled = torch.compile(
+        model, backend="hca", options={"strict": True, "schedule": False, **options}, dynamic=False
+    )
     compiled(x).sum().backward()
     rep = hca.report(compiled)
     if options.get("layout", "solve") == "solve":
@@ -123,6 +125,7 @@ def test_two_d_mesh(fake_pg):
 def test_two_d_probes_each_mesh_dim_first_and_chooses_the_same(fake_pg, monkeypatch):
     """A combination of layouts on a (2, 2) mesh is probed whole only where each mesh dim's part
     runs alone on its 1-D mesh: far fewer of DTensor's slow 2-D probes, the same strategies."""
+
     def solve(shortcut: bool):
         monkeypatch.setattr(layout_probes, "_PROBES", {})  # the probe cache is process-wide
         if not shortcut:
@@ -134,8 +137,9 @@ def test_two_d_probes_each_mesh_dim_first_and_chooses_the_same(fake_pg, monkeypa
     fast, fast_whole = solve(True)
     slow, slow_whole = solve(False)
     assert fast_whole < slow_whole / 4, (fast_whole, slow_whole)
-    assert [(c.kind, c.bytes, c.direction, c.node) for c in fast.collectives] == \
-        [(c.kind, c.bytes, c.direction, c.node) for c in slow.collectives]
+    assert [(c.kind, c.bytes, c.direction, c.node) for c in fast.collectives] == [
+        (c.kind, c.bytes, c.direction, c.node) for c in slow.collectives
+    ]
     assert fast.graph.layout.values == slow.graph.layout.values
 
 
@@ -213,7 +217,12 @@ def test_plan_with_a_budget_finds_megatron_storage(fake_pg):
     x = torch.randn(8, 64)
     assert all(layout == (Replicate(),) for layout in hca.plan(model, (x,)).values())  # no budget: replicate
     plan = hca.plan(model, (x,), memory_budget=150_000)
-    assert plan == {"fc1.weight": (Shard(0),), "fc1.bias": (Shard(0),), "fc2.weight": (Shard(1),), "fc2.bias": (Replicate(),)}
+    assert plan == {
+        "fc1.weight": (Shard(0),),
+        "fc1.bias": (Shard(0),),
+        "fc2.weight": (Shard(1),),
+        "fc2.bias": (Replicate(),),
+    }
     # hca.sharded accepts it as is.
     rep = compile_and_step(hca.sharded(plan)(zoo.MLP(64, 256)), x)
     assert counts(rep) == ({"all_reduce": 1}, {})
@@ -240,8 +249,15 @@ def test_a_linears_compute_is_priced_at_its_pieces_smallest_dimension(fake_pg, m
         torch._dynamo.reset()
         model = hca.sharded({}, inputs=Shard(0), outputs=Shard(0))(nn.Linear(16, 16))
         compile_and_step(model, torch.randn(4, 16), cost_model={"memory_bytes_per_s": 1e30, **extra})
-    flat, scaled = [{(st.inputs, st.output): st.compute_s for op in ops if op.node.target is torch._C._nn.linear
-                     for st in op.strategies} for ops in built]
+    flat, scaled = [
+        {
+            (st.inputs, st.output): st.compute_s
+            for op in ops
+            if op.node.target is torch._C._nn.linear
+            for st in op.strategies
+        }
+        for ops in built
+    ]
     assert flat.keys() == scaled.keys()
     n = hca.current_mesh().size()
     split = ((Shard(0),), (Replicate(),), (Replicate(),)), (Shard(0),)
@@ -261,8 +277,12 @@ def test_each_strategy_is_charged_by_its_local_pieces(fake_pg, monkeypatch):
     model = hca.sharded({}, inputs=Shard(0), outputs=Shard(0))(nn.Linear(64, 64, bias=False))
     compile_and_step(model, torch.randn(32, 64), cost_model={"memory_bytes_per_s": 1e30})  # 32 rows a rank
     (ops,) = built
-    priced = {(st.inputs, st.output): st.compute_s for op in ops if op.node.target is torch._C._nn.linear
-              for st in op.strategies}
+    priced = {
+        (st.inputs, st.output): st.compute_s
+        for op in ops
+        if op.node.target is torch._C._nn.linear
+        for st in op.strategies
+    }
     n = hca.current_mesh().size()
     R, P = (Replicate(),), (torch.distributed.tensor.Partial(),)
     whole = priced[(R, R), R]
@@ -273,6 +293,10 @@ def test_each_strategy_is_charged_by_its_local_pieces(fake_pg, monkeypatch):
     torch._dynamo.reset()
     model = hca.sharded({"weight": Shard(0)}, inputs=Replicate(), outputs=Replicate())(nn.Linear(64, 64, bias=False))
     compile_and_step(model, torch.randn(32 * n, 64), cost_model={"memory_bytes_per_s": 1e30})  # the same global rows
-    column = {(st.inputs, st.output): st.compute_s for op in built[0] if op.node.target is torch._C._nn.linear
-              for st in op.strategies}
+    column = {
+        (st.inputs, st.output): st.compute_s
+        for op in built[0]
+        if op.node.target is torch._C._nn.linear
+        for st in op.strategies
+    }
     assert column[(R, (Shard(0),)), (Shard(1),)] == pytest.approx(whole / n)  # each rank its output columns

@@ -29,6 +29,7 @@ WORLD_SIZES = (2, 4)
 
 # ------------------------------------------------------------ the trap
 
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_all_reduced_loss_gives_single_device_gradients(worlds, n, compiled):
@@ -53,6 +54,7 @@ def test_invariant_role_sums_the_gradient_pieces(worlds):
 
 # ------------------------------------------- each op against single-device math
 
+
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("op", sorted(collective_cases.OPS))
 def test_op_values_and_gradients(worlds, op, n):
@@ -64,6 +66,7 @@ def test_op_values_and_gradients(worlds, op, n):
 
 
 # ------------------------------------------------------ backward structure
+
 
 def _collectives(fn, x: torch.Tensor, grad_shape) -> tuple[Counter, Counter]:
     """(forward, backward) counts of _c10d_functional collectives (waits left out)."""
@@ -77,8 +80,10 @@ def _collectives(fn, x: torch.Tensor, grad_shape) -> tuple[Counter, Counter]:
 
     def count(gm):
         return Counter(
-            n.target._opname for n in gm.graph.nodes
-            if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional"
+            n.target._opname
+            for n in gm.graph.nodes
+            if n.op == "call_function"
+            and getattr(n.target, "namespace", None) == "_c10d_functional"
             and n.target is not c10d.wait_tensor.default
         )
 
@@ -102,8 +107,11 @@ STRUCTURE = [  # op, src, dst, kwargs, input shape, output shape, forward, backw
 ]
 
 
-@pytest.mark.parametrize("op, src, dst, kwargs, shape, out_shape, forward, backward", STRUCTURE,
-                         ids=[f"{s[0]}-{s[1]}-{s[2]}" for s in STRUCTURE])
+@pytest.mark.parametrize(
+    "op, src, dst, kwargs, shape, out_shape, forward, backward",
+    STRUCTURE,
+    ids=[f"{s[0]}-{s[1]}-{s[2]}" for s in STRUCTURE],
+)
 def test_backward_collectives_follow_the_roles(fake_pg, op, src, dst, kwargs, shape, out_shape, forward, backward):
     fn = getattr(C, op)
     fwd, bwd = _collectives(lambda x: fn(x, src=src, dst=dst, **kwargs), torch.randn(shape), out_shape)
@@ -113,7 +121,13 @@ def test_backward_collectives_follow_the_roles(fake_pg, op, src, dst, kwargs, sh
 # ------------------------------------------------------------- role errors
 
 REFUSED = [  # op, src, dst, kwargs, words the message must contain
-    ("all_reduce", "R", "R", {}, ["all_reduce(src='R', dst='R')", "counting it 4 times", "src='P'", "do not reduce it"]),
+    (
+        "all_reduce",
+        "R",
+        "R",
+        {},
+        ["all_reduce(src='R', dst='R')", "counting it 4 times", "src='P'", "do not reduce it"],
+    ),
     ("all_reduce", "I", "R", {}, ["counting it 4 times", "src='P'"]),
     ("all_reduce", "V", "R", {}, ["src must be 'P'", "all_gather(src='V')"]),
     ("all_reduce", "S(0)", "R", {}, ["src must be 'P'", "all_gather(src='S(0)')"]),
@@ -147,7 +161,9 @@ def test_inconsistent_roles_raise_role_error(fake_pg, op, src, dst, kwargs, word
 
 def test_roles_parse_from_text_and_placements():
     assert role("R") == Role("R") and role(" S( -1 ) ") == Role("S", -1) and str(role("S(2)")) == "S(2)"
-    assert role(hca.Replicate()) == Role("R") and role(hca.Partial()) == Role("P") and role(hca.Shard(1)) == Role("S", 1)
+    assert (
+        role(hca.Replicate()) == Role("R") and role(hca.Partial()) == Role("P") and role(hca.Shard(1)) == Role("S", 1)
+    )
     for bad in ("X", "S", "S(a)", "r", 3):
         with pytest.raises(hca.RoleError, match="is not a role"):
             role(bad)

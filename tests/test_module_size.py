@@ -36,7 +36,8 @@ def _long_functions(path: Path) -> dict[str, int]:
     return {
         f"{_name(path)}:{node.name}": node.end_lineno - node.lineno + 1
         for node in ast.walk(tree)
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > FUNCTION_LINES
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > FUNCTION_LINES
     }
 
 

@@ -140,6 +140,7 @@ def _offered(name: str, combo) -> bool:
 
 # -------------------------------------------- the checker itself can fail
 
+
 def _caught(outcome, mesh, placements) -> bool:
     spec = types.SimpleNamespace(mesh=mesh, placements=placements, shard_order=None)
     try:

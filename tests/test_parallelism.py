@@ -40,8 +40,9 @@ def test_megatron_storage_says_tensor_parallel_and_names_the_rejected_layout(fak
 
 
 def test_fsdp_storage_says_weights_gathered(fake_pg):
-    rep = _compiled(hca.sharded({"*": Shard(0)}, inputs=Shard(0), outputs=Shard(0))(zoo.DeepMLP(16, 4)),
-                    torch.randn(64, 16))
+    rep = _compiled(
+        hca.sharded({"*": Shard(0)}, inputs=Shard(0), outputs=Shard(0))(zoo.DeepMLP(16, 4)), torch.randn(64, 16)
+    )
     line = rep.parallelism()
     assert ": FSDP-style (weights gathered to compute): stored 8 of 8 parameters sharded (S(0) 8)" in line
     assert "moves: 8 gather of weights" in line

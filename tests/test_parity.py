@@ -91,8 +91,10 @@ def test_parity(worlds, case, world_size):
 # gradients (2 x 128 fp32). At 2 ranks Megatron is cheaper and the solver keeps it.
 SP_EXPECTED = {
     2: (({"all_reduce": 2}, {"all_reduce": 2}), {"forward": 2 * 16384, "backward": 2 * 16384}),
-    4: (({"all_gather": 2, "reduce_scatter": 2}, {"all_gather": 2, "all_reduce": 1, "reduce_scatter": 1}),
-        {"forward": 4 * 16384, "backward": 4 * 16384 + 2 * 128 * 4}),
+    4: (
+        ({"all_gather": 2, "reduce_scatter": 2}, {"all_gather": 2, "all_reduce": 1, "reduce_scatter": 1}),
+        {"forward": 4 * 16384, "backward": 4 * 16384 + 2 * 128 * 4},
+    ),
 }
 
 

@@ -98,8 +98,9 @@ def test_compiled_dropout_is_recorded_adds_no_collective_and_compiles_without_dr
     rep = hca.report(compiled)
     draws = rep.graph.random_draws
     assert len(draws) == 2 and all("bernoulli_" in d for d in draws)
-    plain = torch.compile(hca.sharded(plan, mesh=fake_pg)(_Dropped(inplace, p=0.0)), backend="hca",
-                          options={"layout": "dtensor"})
+    plain = torch.compile(
+        hca.sharded(plan, mesh=fake_pg)(_Dropped(inplace, p=0.0)), backend="hca", options={"layout": "dtensor"}
+    )
     plain(x).sum().backward()
     assert hca.report(plain).graph.random_draws == []
     for direction in ("forward", "backward"):  # dropout adds no collective

@@ -29,10 +29,11 @@ def test_report_artifacts(fake_pg):
     assert [(r.src, r.dst) for r in g.redistributions] == [("(R)", "(P(sum))"), ("(P(sum))", "(R)")]
     assert g.redistributions[0].value == "l_self_modules_fc2_parameters_bias_"
     assert g.redistributions[0].reason == "out reads it so (layout solver)"
-    assert g.redistributions[1].reason == "to_output reads it so (layout solver)"  # the result, as the caller receives it
+    assert (
+        g.redistributions[1].reason == "to_output reads it so (layout solver)"
+    )  # the result, as the caller receives it
     # What the solver costed next to what was traced from each move (read from the origin tags).
-    assert [(r.costed, r.emitted) for r in g.redistributions] == [
-        ("local", "local"), ("all_reduce@0", "all_reduce@0")]
+    assert [(r.costed, r.emitted) for r in g.redistributions] == [("local", "local"), ("all_reduce@0", "all_reduce@0")]
     assert "all_reduce@0  all_reduce@0" in rep.moves() and "== moves ==" in str(rep)
     assert " fc2.bias " in rep.moves()  # the value as its module path, not Dynamo's l_self_modules_... name
     assert set(g.parameters) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
@@ -40,7 +41,17 @@ def test_report_artifacts(fake_pg):
     (c,) = rep.collectives
     assert (c.kind, c.direction, c.group_size, c.bytes, c.shape) == ("all_reduce", "forward", 4, 8 * 64 * 4, (8, 64))
     assert c.wire_bytes == 2 * 3 / 4 * c.bytes  # ring all-reduce: 2(n-1)/n of the payload
-    assert [p.name for p in g.passes] == ["lift", "layout", "roles", "origins", "transpose", "collective_rewrites", "backward_kept", "schedule_forward", "schedule_backward"]
+    assert [p.name for p in g.passes] == [
+        "lift",
+        "layout",
+        "roles",
+        "origins",
+        "transpose",
+        "collective_rewrites",
+        "backward_kept",
+        "schedule_forward",
+        "schedule_backward",
+    ]
     assert g.schedules["forward"]["per_group"] and g.schedules["backward"]["per_group"] == {}
 
 
@@ -64,8 +75,16 @@ def test_mode_and_options_reach_the_backend(fake_pg):
 def test_debug_dir_dumps_every_stage(fake_pg, tmp_path):
     compile_mlp(options={"debug_dir": str(tmp_path)})
     names = {p.name.split("_", 1)[1] for p in (tmp_path / "rank0").iterdir()}  # each rank its own folder
-    for stage in ("dynamo.py", "layout_before.py", "layout_after.py", "transpose_after.py",
-                  "schedule_forward_after.py", "schedule_backward_after.py", "collectives.txt", "strategy.json"):
+    for stage in (
+        "dynamo.py",
+        "layout_before.py",
+        "layout_after.py",
+        "transpose_after.py",
+        "schedule_forward_after.py",
+        "schedule_backward_after.py",
+        "collectives.txt",
+        "strategy.json",
+    ):
         assert stage in names, f"{stage} not dumped; got {sorted(names)}"
 
 
@@ -122,7 +141,9 @@ def test_measured_sets_the_clock_beside_the_prediction(fake_pg):
     after = rep.timeline().after
     calls = [e for e in after.events if e.name == CALL]
     # The host work around each call (call_s) is outside what the clock here sees.
-    assert [e.duration_s for e in calls] == pytest.approx([1e-3, 1e-3]) and got.predicted_s == pytest.approx(after.total_s - 2e-3)
+    assert [e.duration_s for e in calls] == pytest.approx([1e-3, 1e-3]) and got.predicted_s == pytest.approx(
+        after.total_s - 2e-3
+    )
     assert got.error == pytest.approx(got.predicted_s / got.measured_s - 1)
     assert str(got).startswith(f"predicted {got.predicted_s * 1e3:.2f} ms vs measured {got.measured_s * 1e3:.2f} ms")
     with pytest.raises(hca.HCAError, match="inner='dtensor' runs the DTensor program eagerly"):

@@ -29,7 +29,7 @@ from torch_hca.report.compile_report import GraphReport
 from torch_hca.compiler.checks.schedule_check import check_order
 
 c10d = torch.ops._c10d_functional
-MB = 2 ** 20
+MB = 2**20
 F32_4x4 = 4 * 4 * 4  # bytes of one [4, 4] fp32 tensor
 
 
@@ -77,7 +77,9 @@ def collectives(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in OPS]
 
 
-def run_local(gm: fx.GraphModule, inputs: list[dict[int, torch.Tensor]], world: int = 4) -> list[dict[int, torch.Tensor]]:
+def run_local(
+    gm: fx.GraphModule, inputs: list[dict[int, torch.Tensor]], world: int = 4
+) -> list[dict[int, torch.Tensor]]:
     """Run `gm` on every rank at once (LocalTensorMode); each output as {rank: tensor}."""
     with LocalTensorMode(world):
         outs = gm(*[LocalTensor({r: t.clone() for r, t in x.items()}) for x in inputs])
@@ -98,6 +100,7 @@ def assert_same_numbers(before: fx.GraphModule, after: fx.GraphModule, inputs) -
 
 # ------------------------------------------------------------ reordering
 
+
 def test_start_moves_early_and_wait_moves_late(group):
     def traced_late_start(a, b):
         x = a.relu()
@@ -109,8 +112,10 @@ def test_start_moves_early_and_wait_moves_late(group):
         y = wait(ar(x, group))
         return y * ((b @ b) @ b)
 
-    for f, moved in ((traced_late_start, {"starts_earlier": 1, "waits_later": 0}),
-                     (traced_early_wait, {"starts_earlier": 0, "waits_later": 1})):
+    for f, moved in (
+        (traced_late_start, {"starts_earlier": 1, "waits_later": 0}),
+        (traced_early_wait, {"starts_earlier": 0, "waits_later": 1}),
+    ):
         gm, record = schedule(traced(f, (4, 4), (4, 4)))
         # Started as soon as relu has run, waited just before the mul that reads it.
         assert calls(gm) == ["relu", "all_reduce", "mm", "mm_1", "wait_tensor", "mul"]
@@ -201,6 +206,7 @@ def test_before_is_the_graph_as_traced(group):
 
 # --------------------------------------------------------------- buckets
 
+
 def gradients(group, sizes, reduce_op="sum"):
     """A backward-like graph: one gradient per size, each reduced; all are outputs."""
 
@@ -215,10 +221,15 @@ def test_gradient_reductions_merge_into_one_bucket(group):
     before = copy.deepcopy(gm)
     out, record = schedule(gm, "backward")
     (coll,) = collectives(out)
-    assert record["buckets"] == [{
-        "collective": coll.name, "kind": "all_reduce", "group": group, "bytes": 4 * (16 + 256 + 16 + 256),
-        "members": [["all_reduce", 64], ["all_reduce_1", 1024], ["all_reduce_2", 64], ["all_reduce_3", 1024]],
-    }]
+    assert record["buckets"] == [
+        {
+            "collective": coll.name,
+            "kind": "all_reduce",
+            "group": group,
+            "bytes": 4 * (16 + 256 + 16 + 256),
+            "members": [["all_reduce", 64], ["all_reduce_1", 1024], ["all_reduce_2", 64], ["all_reduce_3", 1024]],
+        }
+    ]
     assert coll.meta["hca_bucket"] == ["all_reduce", "all_reduce_1", "all_reduce_2", "all_reduce_3"]
     assert tuple(coll.meta["val"].shape) == (16 + 256 + 16 + 256,)
     for n in out.graph.nodes:
@@ -228,11 +239,14 @@ def test_gradient_reductions_merge_into_one_bucket(group):
     assert_same_numbers(before, out, per_rank(*shapes))
 
 
-@pytest.mark.parametrize("cap_bytes,expected", [
-    (4 * (16 + 256), [2, 2]),          # exactly one bias and one weight per bucket
-    (4 * (16 + 256 + 16), [3]),        # the fourth does not fit: left alone
-    (0, []),                           # no bucketing
-])
+@pytest.mark.parametrize(
+    "cap_bytes,expected",
+    [
+        (4 * (16 + 256), [2, 2]),  # exactly one bias and one weight per bucket
+        (4 * (16 + 256 + 16), [3]),  # the fourth does not fit: left alone
+        (0, []),  # no bucketing
+    ],
+)
 def test_buckets_respect_the_cap(group, cap_bytes, expected):
     gm, shapes = gradients(group, [16, 256, 16, 256])
     before = copy.deepcopy(gm)
@@ -249,9 +263,13 @@ def test_only_same_key_merges(group):
 
     def f(x, a, b, c, d):
         s = x.sum()
-        return (wait(c10d.all_reduce(s * a, "sum", group)), wait(c10d.all_reduce(s * b, "avg", group)),
-                wait(c10d.all_reduce(s * c, "sum", other)), wait(c10d.all_reduce((s * d).double(), "sum", group)),
-                wait(c10d.all_reduce(s * a + 1, "sum", group)))
+        return (
+            wait(c10d.all_reduce(s * a, "sum", group)),
+            wait(c10d.all_reduce(s * b, "avg", group)),
+            wait(c10d.all_reduce(s * c, "sum", other)),
+            wait(c10d.all_reduce((s * d).double(), "sum", group)),
+            wait(c10d.all_reduce(s * a + 1, "sum", group)),
+        )
 
     out, record = schedule(traced(f, (4,), (8,), (8,), (8,), (8,)), "backward")
     assert [b["members"] for b in record["buckets"]] == [[["all_reduce", 32], ["all_reduce_4", 32]]]
@@ -327,8 +345,10 @@ def test_a_bucket_reading_another_buckets_result_comes_after_it(group):
 def test_reduce_scatter_bucket(group):
     def f(x, a, b):
         s = x.sum()
-        return (wait(c10d.reduce_scatter_tensor(s * a, "sum", 4, group)),
-                wait(c10d.reduce_scatter_tensor((s * b).t(), "sum", 4, group)))  # non-contiguous input
+        return (
+            wait(c10d.reduce_scatter_tensor(s * a, "sum", 4, group)),
+            wait(c10d.reduce_scatter_tensor((s * b).t(), "sum", 4, group)),
+        )  # non-contiguous input
 
     gm = traced(f, (4,), (8, 3), (5, 12))
     before = copy.deepcopy(gm)
@@ -353,8 +373,11 @@ def test_forward_weight_all_gathers_bucket(group):
     before = copy.deepcopy(gm)
     out, record = schedule(gm, "forward")
     (bucket,) = record["buckets"]
-    assert [m for m, _ in bucket["members"]] == ["all_gather_into_tensor", "all_gather_into_tensor_1",
-                                                "all_gather_into_tensor_2"]
+    assert [m for m, _ in bucket["members"]] == [
+        "all_gather_into_tensor",
+        "all_gather_into_tensor_1",
+        "all_gather_into_tensor_2",
+    ]
     assert bucket["bytes"] == 4 * 4 * (12 + 16 + 2)
     assert [tuple(c.meta["val"].shape) for c in collectives(out)] == [(4 * 30,), (8, 8)]
     # The bucket starts before any compute; the activation's gather after the matmul.
@@ -420,9 +443,14 @@ def _program(steps, group, groups):
                 pending.append((op, handle))
         for kind, handle in pending:
             got = wait(handle)
-            values.append(got.view(4, 8, 4).sum(0) if kind == "all_gather" else
-                          got.repeat(4, 1) if kind == "reduce_scatter" else got)
-        return tuple(values[len(inputs):]) or (inputs[0] + 0,)
+            values.append(
+                got.view(4, 8, 4).sum(0)
+                if kind == "all_gather"
+                else got.repeat(4, 1)
+                if kind == "reduce_scatter"
+                else got
+            )
+        return tuple(values[len(inputs) :]) or (inputs[0] + 0,)
 
     return f
 
@@ -431,8 +459,12 @@ STEP = st.tuples(st.sampled_from(("compute", "wait", "all_reduce") + KINDS), st.
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(steps=st.lists(STEP, min_size=1, max_size=16), which=st.sampled_from(("forward", "backward")),
-       cap=st.sampled_from((0, 300, 1e9)), bound=st.sampled_from((0, 256, 1e9)))
+@given(
+    steps=st.lists(STEP, min_size=1, max_size=16),
+    which=st.sampled_from(("forward", "backward")),
+    cap=st.sampled_from((0, 300, 1e9)),
+    bound=st.sampled_from((0, 256, 1e9)),
+)
 def test_every_schedule_is_checked_and_computes_the_same(fake_pg, steps, which, cap, bound):
     group = fake_pg.get_group().group_name
     groups = [group, _second_group()]
@@ -466,14 +498,17 @@ DP12_BYTES = 12 * (16 * 16 + 16) * 4  # every gradient of DeepMLP(16, 12), fp32
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("options,count,buckets", [
-    # Default cap (25 MiB): all 24 gradients fit one bucket.
-    ({}, 1, [(24, DP12_BYTES)]),
-    # A cap of exactly four layers (bias and weight each, in the order backward makes them).
-    ({"bucket_cap_mb": 4 * 1088 / MB}, 3, [(8, 4 * 1088)] * 3),
-    # Schedule off: one all-reduce per parameter, as traced.
-    ({"schedule": False}, 24, []),
-])
+@pytest.mark.parametrize(
+    "options,count,buckets",
+    [
+        # Default cap (25 MiB): all 24 gradients fit one bucket.
+        ({}, 1, [(24, DP12_BYTES)]),
+        # A cap of exactly four layers (bias and weight each, in the order backward makes them).
+        ({"bucket_cap_mb": 4 * 1088 / MB}, 3, [(8, 4 * 1088)] * 3),
+        # Schedule off: one all-reduce per parameter, as traced.
+        ({"schedule": False}, 24, []),
+    ],
+)
 def test_data_parallel_gradients_in_buckets(worlds, world_size, options, count, buckets):
     results = worlds(world_size).run(dist_cases.parity, "dp12", 3, options)
     first = results[0]

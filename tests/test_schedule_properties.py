@@ -59,13 +59,13 @@ def _val():
 @dataclass
 class Program:
     gm: fx.GraphModule
-    body: list[str]                                          # nodes that may move, in program order
+    body: list[str]  # nodes that may move, in program order
     deps: dict[str, set[str]] = field(default_factory=dict)  # node -> the nodes it takes as arguments
-    reads: dict[str, set[str]] = field(default_factory=dict)   # node -> buffers read (by root name)
+    reads: dict[str, set[str]] = field(default_factory=dict)  # node -> buffers read (by root name)
     writes: dict[str, set[str]] = field(default_factory=dict)  # node -> buffers written
-    lease: dict[str, set[str]] = field(default_factory=dict)   # collective or wait -> buffers it holds
-    group: dict[str, str] = field(default_factory=dict)        # collective -> its process group
-    waits_on: dict[str, str] = field(default_factory=dict)     # wait -> the collective result it completes
+    lease: dict[str, set[str]] = field(default_factory=dict)  # collective or wait -> buffers it holds
+    group: dict[str, str] = field(default_factory=dict)  # collective -> its process group
+    waits_on: dict[str, str] = field(default_factory=dict)  # wait -> the collective result it completes
 
 
 class _Builder:
@@ -75,7 +75,7 @@ class _Builder:
         self.graph = fx.Graph()
         self.root: dict[fx.Node, fx.Node] = {}
         self.model = Program(None, [])
-        self.readable: list[fx.Node] = []             # tensors a new node may take
+        self.readable: list[fx.Node] = []  # tensors a new node may take
         self.in_flight: dict[fx.Node, set[str]] = {}  # collective -> roots of its inputs
         self.unwaited: list[tuple[fx.Node, fx.Node]] = []  # (result to wait on, its collective)
         self.parts_left: dict[fx.Node, int] = {}
@@ -111,8 +111,11 @@ class _Builder:
         coll = self.emit(target, (first, *extra), holds=holds, readable=False, val=val)
         self.model.group[coll.name] = group
         self.in_flight[coll] = holds
-        parts = [self.emit(operator.getitem, (coll, i), readable=False) for i in range(len(inputs))] \
-            if target is COALESCED else [coll]
+        parts = (
+            [self.emit(operator.getitem, (coll, i), readable=False) for i in range(len(inputs))]
+            if target is COALESCED
+            else [coll]
+        )
         self.parts_left[coll] = len(parts)
         self.unwaited += [(p, coll) for p in parts]
 
@@ -197,8 +200,7 @@ def kind(p: Program, a: str, b: str) -> str:
 
 
 def constraints(p: Program) -> dict[tuple[str, str], str]:
-    return {(a, b): kind(p, a, b)
-            for i, a in enumerate(p.body) for b in p.body[i + 1:] if not commute(p, a, b)}
+    return {(a, b): kind(p, a, b) for i, a in enumerate(p.body) for b in p.body[i + 1 :] if not commute(p, a, b)}
 
 
 def implied(edges, a: str, b: str) -> bool:
@@ -307,8 +309,11 @@ def test_every_order_that_keeps_the_constraints_is_accepted(p, rnd):
 
 
 @settings(max_examples=100, deadline=None)
-@given(p=programs(), rnd=st.randoms(use_true_random=False),
-       broken=st.sampled_from(["dependency", "lease-read", "lease-write", "group", "conflict"]))
+@given(
+    p=programs(),
+    rnd=st.randoms(use_true_random=False),
+    broken=st.sampled_from(["dependency", "lease-read", "lease-write", "group", "conflict"]),
+)
 def test_reversing_one_constraint_is_rejected(p, rnd, broken):
     """Keep every constraint but one, which is reversed: b (the later) runs before a."""
     edges = constraints(p)
@@ -319,8 +324,11 @@ def test_reversing_one_constraint_is_rejected(p, rnd, broken):
     note(f"{broken}: {b} moved before {a}; order {order}")
     # b reading a wait's result early also reads the collective's buffer before that wait: the
     # checker may name either.
-    read_early = rf"{b} reads ({a} before it is computed|collective \S+ before its wait)" if a in p.waits_on \
+    read_early = (
+        rf"{b} reads ({a} before it is computed|collective \S+ before its wait)"
+        if a in p.waits_on
         else rf"{b} reads {a} before it is computed"
+    )
     message = {
         "dependency": read_early,
         "lease-read": rf"{b} reads collective \S+ before its wait",
@@ -356,7 +364,9 @@ def test_rejects_a_changed_or_missing_node():
     before = _program(_chain)
     after = _program(_chain)
     next(iter(after.graph.find_nodes(op="call_function", target=aten.mul.Tensor))).args = (
-        after.graph.find_nodes(op="placeholder")[0], after.graph.find_nodes(op="placeholder")[1])
+        after.graph.find_nodes(op="placeholder")[0],
+        after.graph.find_nodes(op="placeholder")[1],
+    )
     with pytest.raises(hca.CheckError, match=r"node m changed"):
         check_reorder(before, after)
     after = _program(_chain)
@@ -377,11 +387,13 @@ def test_rejects_reordered_inputs():
 
 def test_rejects_a_write_moved_before_a_read_of_the_old_value():
     """No edge in the graph orders `relu(x)` and `x.add_(1)`: only the buffer model does."""
+
     def build(g):
         x = g.placeholder("x")
         r = g.call_function(aten.relu.default, (x,), name="r")
         g.call_function(aten.add_.Tensor, (x, 1), name="bump")
         g.output((r,))
+
     before, after = _program(build), _program(build)
     r, bump = (n for n in after.graph.nodes if n.op == "call_function")
     r.prepend(bump)
@@ -394,14 +406,18 @@ def _split_piece(g, x):
     return g.call_function(operator.getitem, (g.call_function(aten.split.Tensor, (x, 2)), 1))
 
 
-@pytest.mark.parametrize("alias, clobber", [
-    # the result of an in-place op is its argument's buffer
-    (lambda g, x: g.call_function(aten.neg_.default, (x,)), lambda v: (aten.mul_.Tensor, (v, 2))),
-    # an element of a list of views (split) is a view
-    (_split_piece, lambda v: (aten.add_.Tensor, (v, 1))),
-    # a foreach op writes every tensor of its list
-    (lambda g, x: x, lambda v: (aten._foreach_add_.Scalar, ([v], 1.0))),
-], ids=["in-place result", "split element", "foreach list"])
+@pytest.mark.parametrize(
+    "alias, clobber",
+    [
+        # the result of an in-place op is its argument's buffer
+        (lambda g, x: g.call_function(aten.neg_.default, (x,)), lambda v: (aten.mul_.Tensor, (v, 2))),
+        # an element of a list of views (split) is a view
+        (_split_piece, lambda v: (aten.add_.Tensor, (v, 1))),
+        # a foreach op writes every tensor of its list
+        (lambda g, x: x, lambda v: (aten._foreach_add_.Scalar, ([v], 1.0))),
+    ],
+    ids=["in-place result", "split element", "foreach list"],
+)
 def test_rejects_writes_through_aliases_while_in_flight(alias, clobber):
     def build(g):
         x = g.placeholder("x")
@@ -409,12 +425,14 @@ def test_rejects_writes_through_aliases_while_in_flight(alias, clobber):
         ar = g.call_function(c10d.all_reduce.default, (x, "sum", "g0"), name="ar")
         g.call_function(*clobber(v), name="clobber")
         g.output((g.call_function(WAIT, (ar,), name="w"),))
+
     with pytest.raises(hca.CheckError, match=r"clobber writes \S+ while ar holds it"):
         check_order(_program(build))
 
 
 def test_a_wait_hands_back_the_collective_buffer():
     """Writing ar1's wait clobbers ar1's buffer, which ar2 (reading ar1 after its wait) holds."""
+
     def build(g):
         x = g.placeholder("x")
         ar1 = g.call_function(c10d.all_reduce.default, (x, "sum", "g0"), name="ar1")
@@ -422,6 +440,7 @@ def test_a_wait_hands_back_the_collective_buffer():
         ar2 = g.call_function(c10d.all_reduce.default, (ar1, "sum", "g0"), name="ar2")
         g.call_function(aten.add_.Tensor, (w1, 1), name="clobber")
         g.output((g.call_function(WAIT, (ar2,), name="w2"),))
+
     with pytest.raises(hca.CheckError, match=r"clobber writes w1 while ar2 holds it"):
         check_order(_program(build))
 
@@ -434,5 +453,6 @@ def test_a_coalesced_lease_lasts_to_its_last_wait_wherever_the_getitems_are():
         g.call_function(aten.add_.Tensor, (b, 1), name="clobber")  # before part 1 is even taken
         w1 = g.call_function(WAIT, (g.call_function(operator.getitem, (c, 1)),))
         g.output((w0, w1))
+
     with pytest.raises(hca.CheckError, match=r"clobber writes b while c holds it"):
         check_order(_program(build))

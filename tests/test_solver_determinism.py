@@ -73,15 +73,16 @@ ROOT = Path(__file__).resolve().parents[1]
 def _start(seed: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONHASHSEED": str(seed)}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    return subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
 
 
 def _placements(proc: subprocess.Popen) -> dict:
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-4000:]
     (line,) = [l for l in stdout.splitlines() if l.startswith("PLACEMENTS ")]
-    return json.loads(line[len("PLACEMENTS "):])
+    return json.loads(line[len("PLACEMENTS ") :])
 
 
 def _differences(a: dict, b: dict) -> list:

@@ -65,9 +65,18 @@ def test_save_then_load_gives_the_same_program_without_solving(fake_pg, tmp_path
     print(f"\nlayout pass: solved {_seconds(solved, 'layout'):.3f} s, loaded {_seconds(loaded, 'layout'):.3f} s")
 
 
-@pytest.mark.parametrize("make", [_dp, lambda: (hca.sharded({"*": Shard(0)}, inputs=Shard(0), outputs=Shard(0))(
-    zoo.DeepMLP(16, 4)), torch.randn(64, 16)), lambda: (hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP(16, 32)), torch.randn(8, 16))],
-    ids=["data_parallel", "fsdp", "megatron_mlp"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        _dp,
+        lambda: (
+            hca.sharded({"*": Shard(0)}, inputs=Shard(0), outputs=Shard(0))(zoo.DeepMLP(16, 4)),
+            torch.randn(64, 16),
+        ),
+        lambda: (hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP(16, 32)), torch.randn(8, 16)),
+    ],
+    ids=["data_parallel", "fsdp", "megatron_mlp"],
+)
 def test_round_trip_on_zoo_plans(fake_pg, tmp_path, make):
     solved = _compiled(*make())
     data = solved.save_strategy(tmp_path / "s.json")
@@ -80,7 +89,9 @@ def test_round_trip_on_zoo_plans(fake_pg, tmp_path, make):
 def test_a_file_for_another_model_is_a_named_error(fake_pg, tmp_path):
     path = tmp_path / "dp.json"
     _compiled(*_dp()).save_strategy(path)
-    with pytest.raises(hca.StrategyError, match=r"another model: .*parameter 'layers.0.weight' shape \[16, 16\].*\[32, 32\]"):
+    with pytest.raises(
+        hca.StrategyError, match=r"another model: .*parameter 'layers.0.weight' shape \[16, 16\].*\[32, 32\]"
+    ):
         _compiled(*_dp(dim=32), strategy=str(path))
     with pytest.raises(hca.StrategyError, match=r"another model: .*logical graph digest"):
         _compiled(*_dp(depth=3), strategy=str(path))  # its parameters are a subset: the graph differs
@@ -112,11 +123,16 @@ def test_bad_files_are_named_errors(fake_pg, tmp_path):
     text = path.read_text()
     cases = {
         "truncated": (text[: len(text) // 2], r"not valid JSON .*truncated or hand-edited"),
-        "version": (text.replace('"version": 1', '"version": 99'), r"schema version 99, and this torch_hca reads version 1"),
+        "version": (
+            text.replace('"version": 1', '"version": 99'),
+            r"schema version 99, and this torch_hca reads version 1",
+        ),
         "not ours": (json.dumps({"schema": "something else"}), r"not a torch_hca strategy"),
         "no graphs": (json.dumps({**json.loads(text), "graphs": None}), r"'graphs' is missing or not a list"),
-        "stale digest": (json.dumps(_edited(text, lambda d: d["model"]["parameters"]["layers.0.weight"]["shape"].append(1))),
-                         r"model.digest does not match"),
+        "stale digest": (
+            json.dumps(_edited(text, lambda d: d["model"]["parameters"]["layers.0.weight"]["shape"].append(1))),
+            r"model.digest does not match",
+        ),
     }
     for name, (content, message) in cases.items():
         bad = tmp_path / f"{name}.json"
@@ -140,7 +156,9 @@ def test_a_hand_edited_placement_is_refused_after_replay(fake_pg, tmp_path):
     name = next(n for n, v in values.items() if v["op"].endswith("layer_norm") and v["placements"] == ["R"])
     values[name]["placements"] = ["S(0)"]
     path.write_text(json.dumps(data))
-    with pytest.raises(hca.StrategyError, match=rf"value '{name}' is \['S\(0\)'\] in the file, \['R'\] after replaying"):
+    with pytest.raises(
+        hca.StrategyError, match=rf"value '{name}' is \['S\(0\)'\] in the file, \['R'\] after replaying"
+    ):
         _compiled(*_tp_block(), strategy=str(path))
 
 
@@ -166,12 +184,18 @@ def test_two_d_mesh_round_trip_and_another_mesh_is_a_named_error(fake_pg, tmp_pa
     from torch.distributed.tensor import Replicate
 
     def tp_2d():
-        return (hca.sharded(zoo.two_d(zoo.TP_BLOCK), inputs=(Shard(0), Replicate()), outputs=(Shard(0), Replicate()))(
-            zoo.TransformerBlock(64, 4, 128)), torch.randn(4, 6, 64))
+        return (
+            hca.sharded(zoo.two_d(zoo.TP_BLOCK), inputs=(Shard(0), Replicate()), outputs=(Shard(0), Replicate()))(
+                zoo.TransformerBlock(64, 4, 128)
+            ),
+            torch.randn(4, 6, 64),
+        )
 
     def dp_2d():
-        return (hca.sharded({}, inputs=(Shard(0), Replicate()), outputs=(Shard(0), Replicate()))(zoo.DeepMLP(16, 4)),
-                torch.randn(8, 16))
+        return (
+            hca.sharded({}, inputs=(Shard(0), Replicate()), outputs=(Shard(0), Replicate()))(zoo.DeepMLP(16, 4)),
+            torch.randn(8, 16),
+        )
 
     _compiled(*_dp()).save_strategy(tmp_path / "dp_1d.json")
     hca.init_mesh((2, 2), ("dp", "tp"))
@@ -183,5 +207,7 @@ def test_two_d_mesh_round_trip_and_another_mesh_is_a_named_error(fake_pg, tmp_pa
     assert loaded.collective_counts() == solved.collective_counts()
     assert loaded.save_strategy(tmp_path / "again.json") == data
     assert hca.verify(data).ok
-    with pytest.raises(hca.StrategyError, match=r"another mesh: the file says shape \[4\], this compile has shape \[2, 2\]"):
+    with pytest.raises(
+        hca.StrategyError, match=r"another mesh: the file says shape \[4\], this compile has shape \[2, 2\]"
+    ):
         _compiled(*dp_2d(), strategy=str(tmp_path / "dp_1d.json"))

@@ -121,8 +121,11 @@ def test_contention_slows_the_compute_a_collective_overlaps(k, contention):
     b = Builder()
     ar = b.all_reduce(b.x)
     busy = b.mms(k)
-    t = estimate([("g0", fx.GraphModule(torch.nn.Module(), b.done(b.op(aten.add.Tensor, b.op(WAIT, ar), busy))))],
-                 CostModel(**{**COSTS.as_dict(), "contention": contention}), group_size=SIZES.__getitem__)
+    t = estimate(
+        [("g0", fx.GraphModule(torch.nn.Module(), b.done(b.op(aten.add.Tensor, b.op(WAIT, ar), busy))))],
+        CostModel(**{**COSTS.as_dict(), "contention": contention}),
+        group_size=SIZES.__getitem__,
+    )
     work, comm = k * MM_S, comm_s()
     # The mms run at 1 - contention of their speed until the collective ends, then at full speed.
     slowed = min(work, comm * (1 - contention))  # work done while the collective runs
@@ -185,10 +188,20 @@ def test_graphs_run_one_after_another_and_a_group_of_one_is_free():
 def test_each_graph_call_pays_its_host_time_once_before_its_ops():
     fw, bw = Builder(), Builder()
     called = CostModel(**{**COSTS.as_dict(), "call_s": 1e-3})
-    t = estimate([("g0", fx.GraphModule(torch.nn.Module(), fw.done(fw.mms(2)))),
-                  ("g1", fx.GraphModule(torch.nn.Module(), bw.done(bw.mms(1))))], called)
-    assert [(e.graph, e.name) for e in t.events] == [("g0", "call"), ("g0", "aten.mm"), ("g0", "aten.mm"),
-                                                     ("g1", "call"), ("g1", "aten.mm")]
+    t = estimate(
+        [
+            ("g0", fx.GraphModule(torch.nn.Module(), fw.done(fw.mms(2)))),
+            ("g1", fx.GraphModule(torch.nn.Module(), bw.done(bw.mms(1)))),
+        ],
+        called,
+    )
+    assert [(e.graph, e.name) for e in t.events] == [
+        ("g0", "call"),
+        ("g0", "aten.mm"),
+        ("g0", "aten.mm"),
+        ("g1", "call"),
+        ("g1", "aten.mm"),
+    ]
     assert close(t.total_s, 2e-3 + 3 * MM_S) and close(t.compute_s, t.total_s)
 
 
@@ -325,8 +338,12 @@ def test_a_matmul_runs_at_its_smallest_dimensions_share_of_the_rate():
 
     slow = dataclasses.replace(COSTS, matmul_half_dim=8.0)
     b = Builder()
-    thin = b.op(aten.mm.default, b.op(aten.relu.default, b.x, val=torch.empty(8, N, device="meta")), b.x,
-                val=torch.empty(8, N, device="meta"))
+    thin = b.op(
+        aten.mm.default,
+        b.op(aten.relu.default, b.x, val=torch.empty(8, N, device="meta")),
+        b.x,
+        val=torch.empty(8, N, device="meta"),
+    )
     wide = b.op(aten.addmm.default, b.x, b.x, b.x)
     relu = thin.args[0]
     flops = 2 * 8 * N * N

@@ -283,7 +283,9 @@ def test_graph_arg_source_and_python_scalars():
 
     def backend(gm, example_inputs):  # Dynamo drops the grapharg records after the backend returns
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
-        seen.append(([tp.graph_arg_source(n) for n in placeholders], [tp.graph_arg_is_python_scalar(n) for n in placeholders]))
+        seen.append(
+            ([tp.graph_arg_source(n) for n in placeholders], [tp.graph_arg_is_python_scalar(n) for n in placeholders])
+        )
         return gm.forward
 
     def f(x, scale):
@@ -302,8 +304,12 @@ def test_graph_arg_is_tensor_property_for_a_views_size_and_offset():
 
     def backend(gm, example_inputs):
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
-        seen.append([(tp.graph_arg_source(n), tp.graph_arg_is_tensor_property(n), tp.graph_arg_is_python_scalar(n))
-                     for n in placeholders])
+        seen.append(
+            [
+                (tp.graph_arg_source(n), tp.graph_arg_is_tensor_property(n), tp.graph_arg_is_python_scalar(n))
+                for n in placeholders
+            ]
+        )
         return gm.forward
 
     torch._dynamo.reset()
@@ -313,8 +319,14 @@ def test_graph_arg_is_tensor_property_for_a_views_size_and_offset():
     compiled(rows[30:45], 4)  # another size and offset: both dynamic; an int that changed: a SymInt
     torch._dynamo.reset()
     # Dynamo's order of the inputs: whatever it is, each is named and classified.
-    assert sorted(seen[-1]) == sorted([("L['x']", False, False), ("L['x'].size()[0]", True, False),
-                                       ("L['x'].storage_offset()", True, False), ("L['n']", False, True)])
+    assert sorted(seen[-1]) == sorted(
+        [
+            ("L['x']", False, False),
+            ("L['x'].size()[0]", True, False),
+            ("L['x'].storage_offset()", True, False),
+            ("L['n']", False, True),
+        ]
+    )
 
 
 def test_group_members(fake_pg):
@@ -395,6 +407,7 @@ def test_origin_tags_reach_the_forward_and_backward_graphs():
         def compiler(gm, example_inputs):
             graphs[name] = gm
             return make_boxed_func(gm.forward)
+
         return compiler
 
     def backend(gm, example_inputs):
@@ -420,7 +433,8 @@ def test_cpu_flash_attention_and_its_backward_are_sdpa_on_one_cpu():
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     causal = torch.ones(8, 8, dtype=torch.bool).tril()
     expected = torch.nn.functional.scaled_dot_product_attention(
-        *leaves, attn_mask=mask.masked_fill(~causal, float("-inf")), scale=0.3)
+        *leaves, attn_mask=mask.masked_fill(~causal, float("-inf")), scale=0.3
+    )
     grad = torch.randn_like(out)
     expected.backward(grad)
     torch.testing.assert_close(out, expected.detach())

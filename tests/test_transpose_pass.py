@@ -64,8 +64,11 @@ class Stack(nn.Module):
 # the biases replicated, so their gradients are all-reduced (the eager role).
 FSDP = {"blocks.*.weight": Shard(0), "blocks.*.bias": Replicate()}
 # On a (dp=2, tp=2) mesh: weights sharded over both dims, so backward collectives run on both groups.
-TWO_D = {"blocks.*.fc1.*": (Shard(0), Shard(0)), "blocks.*.fc2.weight": (Shard(0), Shard(1)),
-         "blocks.*.fc2.bias": (Replicate(), Replicate())}
+TWO_D = {
+    "blocks.*.fc1.*": (Shard(0), Shard(0)),
+    "blocks.*.fc2.weight": (Shard(0), Shard(1)),
+    "blocks.*.fc2.bias": (Replicate(), Replicate()),
+}
 
 
 def compile_stack(two_d: bool = False, **options) -> hca.CompileReport:
@@ -123,8 +126,11 @@ def layer_written_by(node: fx.Node) -> int | None:
 def test_each_backward_collective_pairs_with_its_own_layer(fake_pg):
     joint = compile_stack().graph.joint
     backward = backward_nodes(joint.graph)
-    pairs = [(n, joint.graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default))
-             for n in joint.graph.nodes if n in backward and n.target in OPS and node_kind(n) is Kind.REDUCE_SCATTER]
+    pairs = [
+        (n, joint.graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default))
+        for n in joint.graph.nodes
+        if n in backward and n.target in OPS and node_kind(n) is Kind.REDUCE_SCATTER
+    ]
     assert len(pairs) == 2 * LAYERS  # the two weights of each block
     by_name = {n.name: n for n in joint.graph.nodes}
     seen_layers = []
@@ -175,7 +181,9 @@ def origins_1d(origin: Origin) -> Origins:
 
 def test_a_gather_pairs_with_the_backward_scatter_of_the_same_move(fake_pg):
     def fn(x, g):  # forward gathers x; backward scatters the cotangent g
-        return funcol.all_gather_single(x, 0, dist.group.WORLD), funcol.reduce_scatter_single(g, "sum", 0, dist.group.WORLD)
+        return funcol.all_gather_single(x, 0, dist.group.WORLD), funcol.reduce_scatter_single(
+            g, "sum", 0, dist.group.WORLD
+        )
 
     gm = joint(fn, (2, 3), (8, 3))
     tag_all(gm, "move")
@@ -211,8 +219,11 @@ def test_strict_mode_rejects_a_kind_the_move_table_does_not_allow(fake_pg):
 
 def _backward(gm: fx.GraphModule, kind: Kind, group: str | None = None) -> list[fx.Node]:
     backward = backward_nodes(gm.graph)
-    return [n for n in gm.graph.nodes if n in backward and n.target in OPS and node_kind(n) is kind
-            and (group is None or node_group(n) == group)]
+    return [
+        n
+        for n in gm.graph.nodes
+        if n in backward and n.target in OPS and node_kind(n) is kind and (group is None or node_group(n) == group)
+    ]
 
 
 def _waited(node: fx.Node) -> fx.Node:

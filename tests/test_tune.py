@@ -88,8 +88,9 @@ def test_the_first_call_times_every_candidate_and_then_runs_the_fastest_alone():
     assert solve["median_s"] >= 0.004 > dtensor["median_s"]
     assert candidates[0].report.dropped == "layout='tune' kept graph 8 (dtensor), which ran faster"
     assert candidates[1].report.dropped is None
-    assert tuning_line(tuning).startswith("tuned: kept dtensor of 2 distinct layouts, by the slowest rank's median "
-                                          "of 3 forward + backward runs")
+    assert tuning_line(tuning).startswith(
+        "tuned: kept dtensor of 2 distinct layouts, by the slowest rank's median of 3 forward + backward runs"
+    )
     calls.clear()
     tuned(w, x, buffer)
     assert calls == ["dtensor"]
@@ -113,8 +114,10 @@ def test_one_distinct_program_is_kept_without_timing():
     tuned = Tuned([only], rounds=5, device_type="cpu", failed=["solve, communication x4: PlanError: ..."])
     tuned(torch.ones(2), torch.ones(2), torch.zeros(1))
     assert calls == ["solve"]
-    assert tuning_line(only.report.tuning) == ("tuned: one program to run (solve = dtensor), nothing timed; "
-                                               "not compiled: solve, communication x4: PlanError: ...")
+    assert tuning_line(only.report.tuning) == (
+        "tuned: one program to run (solve = dtensor), nothing timed; "
+        "not compiled: solve, communication x4: PlanError: ..."
+    )
 
 
 def test_report_leaves_out_the_layouts_tune_dropped(fake_pg):
@@ -159,8 +162,11 @@ def test_ranks_that_timed_other_candidates_are_an_error(monkeypatch):
     monkeypatch.setattr(tune, "exchange", lambda topic, text, peers, what: dict(peer))
     assert tune._by_rank("tune", ["solve", "dtensor"], [0.75, 0.125], 4, float) == {0: [0.75, 0.125], 1: [0.5, 0.25]}
     peer[1] = "solve\t0.5"
-    with pytest.raises(hca.CheckError, match=r"graph 4, layout='tune': rank 1 timed the candidates \['solve'\] but "
-                                             r"rank 0 timed \['solve', 'dtensor'\]"):
+    with pytest.raises(
+        hca.CheckError,
+        match=r"graph 4, layout='tune': rank 1 timed the candidates \['solve'\] but "
+        r"rank 0 timed \['solve', 'dtensor'\]",
+    ):
         tune._by_rank("tune", ["solve", "dtensor"], [0.75, 0.125], 4, float)
 
 
@@ -168,8 +174,11 @@ def test_layouts_that_emit_one_program_are_timed_as_one():
     """Two layouts of the DTensor program can emit the same forward and backward: timing them
     against each other would time the machine's noise, so they are merged after the first run."""
     calls: list[str] = []
-    candidates = [_candidate(0, "solve", 0.0, calls, program=9), _candidate(1, "solve, communication x4", 0.0, calls),
-                  _candidate(2, "dtensor", 0.0, calls, program=9)]
+    candidates = [
+        _candidate(0, "solve", 0.0, calls, program=9),
+        _candidate(1, "solve, communication x4", 0.0, calls),
+        _candidate(2, "dtensor", 0.0, calls, program=9),
+    ]
     tuned = Tuned(candidates, rounds=2, device_type="cpu")
     tuned(torch.ones(2, requires_grad=True), torch.ones(2), torch.zeros(1))
     # One untimed run of each, then 2 timed rounds of the two distinct programs, then the call.

@@ -30,9 +30,15 @@ def test_shard_without_shares_is_torchs_and_with_shares_an_uneven_shard():
     assert isinstance(again, UnevenShard) and again.shares == (1, 3) and copy.deepcopy(cut).shares == (1, 3)
 
 
-@pytest.mark.parametrize("shares, says", [
-    ((1, 0), "share <= 0"), ((1.5, 2), "positive integer"), ((), "positive integer"), ((True, 1), "positive integer"),
-])
+@pytest.mark.parametrize(
+    "shares, says",
+    [
+        ((1, 0), "share <= 0"),
+        ((1.5, 2), "positive integer"),
+        ((), "positive integer"),
+        ((True, 1), "positive integer"),
+    ],
+)
 def test_bad_shares_are_placement_errors(shares, says):
     with pytest.raises(hca.PlacementError, match=says):
         hca.Shard(0, shares=shares)

@@ -116,15 +116,20 @@ def test_env_vars_reach_the_log_and_tlparse_trace(tmp_path):
         dist.destroy_process_group()
     """)
     env = {**os.environ, "TORCH_LOGS": "+torch_hca", "TORCH_TRACE": str(tmp_path / "trace")}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"hca graph0_layout_after:\n(.*\n)*.*torch_hca_compiler_dtensor_ops_redistribute", proc.stderr)
     assert "hca graph0_schedule_backward_after:" in proc.stderr
     (trace,) = (tmp_path / "trace").iterdir()
     names = set(re.findall(r'"name": "(hca_graph0_\w+)"', trace.read_text()))
-    assert {"hca_graph0_dynamo", "hca_graph0_layout_after", "hca_graph0_schedule_forward_after",
-            "hca_graph0_schedule_backward_after"} <= names, sorted(names)
+    assert {
+        "hca_graph0_dynamo",
+        "hca_graph0_layout_after",
+        "hca_graph0_schedule_forward_after",
+        "hca_graph0_schedule_backward_after",
+    } <= names, sorted(names)
 
 
 # ----------------------------------------------------------------------------- debug_dir
@@ -135,8 +140,12 @@ def test_debug_dir_keeps_each_ranks_files_apart(fake_pg, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["rank0"]  # this process is rank 0 of the fake group
     index = hca.report().graph.index
     names = {p.name for p in (tmp_path / "rank0").iterdir()}
-    assert {f"graph{index}_dynamo.py", f"graph{index}_layout_after.py", f"graph{index}_collectives.txt",
-            f"graph{index}_strategy.json"} <= names
+    assert {
+        f"graph{index}_dynamo.py",
+        f"graph{index}_layout_after.py",
+        f"graph{index}_collectives.txt",
+        f"graph{index}_strategy.json",
+    } <= names
 
 
 # ----------------------------------------------------------------------------- readable output
@@ -153,9 +162,18 @@ def test_report_and_demo_output_fit_and_keep_everything(fake_pg):
     assert readable in text and rep.table(WIDTH) in text
 
     # What the demo prints, with rank 0's results made from this report.
-    result = {"program": rep.dtensor_code.strip(), "table": rep.table(WIDTH), "forward": rep.collective_counts("forward"),
-              "backward": rep.collective_counts("backward"), "loss": 1.0, "ref_loss": 1.0, "grad_err": 1e-7,
-              "param_err": 1e-7, "compile_s": 3.0, "step_ms": 12.0}
+    result = {
+        "program": rep.dtensor_code.strip(),
+        "table": rep.table(WIDTH),
+        "forward": rep.collective_counts("forward"),
+        "backward": rep.collective_counts("backward"),
+        "loss": 1.0,
+        "ref_loss": 1.0,
+        "grad_err": 1e-7,
+        "param_err": 1e-7,
+        "compile_s": 3.0,
+        "step_ms": 12.0,
+    }
     out = demo.header(2) + "\n" + demo.summary([result, result])
     assert not too_wide(out)
     assert "== DTensor program (rank 0) ==" in out and "collectives per step: forward {'all_reduce': 1}" in out
@@ -164,9 +182,11 @@ def test_report_and_demo_output_fit_and_keep_everything(fake_pg):
 
 def test_readable_code_cuts_only_where_python_allows():
     args = [f"argument_number_{i}" for i in range(12)]
-    code = ("def forward(self, x : torch.Tensor):\n"
-            f"    y = torch.einsum('mk,kn->mn', x, {', '.join(args)});  x = {' = '.join(args)} = None\n"
-            "    return (y,)\n")
+    code = (
+        "def forward(self, x : torch.Tensor):\n"
+        f"    y = torch.einsum('mk,kn->mn', x, {', '.join(args)});  x = {' = '.join(args)} = None\n"
+        "    return (y,)\n"
+    )
     out = readable_code(code, width=60)
     assert not [line for line in out.splitlines() if len(line) > 60]
     assert "        'mk,kn->mn'," in out.splitlines()  # a string's commas are not cut
@@ -240,9 +260,18 @@ def test_bench_and_demo_commands_report_progress_on_stderr(monkeypatch, capsys):
     fn, args = calls[0]
     assert fn is bench.run_rank and isinstance(args[-1], float)  # the ranks count from the same start
 
-    result = {"program": "def forward(self):\n    return ()", "table": "(no collectives in the compiled graphs)",
-              "forward": {}, "backward": {}, "loss": 1.0, "ref_loss": 1.0, "grad_err": 0.0, "param_err": 0.0,
-              "compile_s": 1.0, "step_ms": 1.0}
+    result = {
+        "program": "def forward(self):\n    return ()",
+        "table": "(no collectives in the compiled graphs)",
+        "forward": {},
+        "backward": {},
+        "loss": 1.0,
+        "ref_loss": 1.0,
+        "grad_err": 0.0,
+        "param_err": 0.0,
+        "compile_s": 1.0,
+        "step_ms": 1.0,
+    }
     monkeypatch.setattr(demo, "launch", lambda fn, world_size, *args: [result, result])
     assert demo.main(2) == 0
     out, err = capsys.readouterr()

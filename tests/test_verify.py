@@ -19,17 +19,25 @@ from torch_hca.tools import zoo
 from torch_hca.verify import problems
 
 MODELS = {
-    "data_parallel": lambda: (hca.sharded({}, inputs=Shard(0), outputs=Shard(0))(zoo.DeepMLP(16, 4)), torch.randn(8, 16)),
-    "fsdp": lambda: (hca.sharded(zoo.FSDP_PLAN, inputs=Shard(0), outputs=Shard(0))(zoo.DeepMLP(16, 4)),
-                     torch.randn(64, 16)),
+    "data_parallel": lambda: (
+        hca.sharded({}, inputs=Shard(0), outputs=Shard(0))(zoo.DeepMLP(16, 4)),
+        torch.randn(8, 16),
+    ),
+    "fsdp": lambda: (
+        hca.sharded(zoo.FSDP_PLAN, inputs=Shard(0), outputs=Shard(0))(zoo.DeepMLP(16, 4)),
+        torch.randn(64, 16),
+    ),
     "megatron_mlp": lambda: (hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP(16, 32)), torch.randn(8, 16)),
     "tp_block": lambda: (hca.sharded(zoo.TP_BLOCK)(zoo.TransformerBlock(128, 4, 512)), torch.randn(2, 6, 128)),
 }
 # On a 2-D (dp, tp) mesh of the same 4 ranks.
 MODELS_2D = {
-    "tp_block_2d": lambda: (hca.sharded(zoo.two_d(zoo.TP_BLOCK), inputs=(Shard(0), Replicate()),
-                                        outputs=(Shard(0), Replicate()))(zoo.TransformerBlock(64, 4, 128)),
-                            torch.randn(4, 6, 64)),
+    "tp_block_2d": lambda: (
+        hca.sharded(zoo.two_d(zoo.TP_BLOCK), inputs=(Shard(0), Replicate()), outputs=(Shard(0), Replicate()))(
+            zoo.TransformerBlock(64, 4, 128)
+        ),
+        torch.randn(4, 6, 64),
+    ),
 }
 
 
@@ -275,8 +283,9 @@ def _remove_collective(d, cid):
             other["partner"] = None
     for m in g["moves"]:
         for step in m["steps"]:
-            if step["collective"] is not None and any(o["id"] == step["collective"] and o["partner"] is None
-                                                      for o in g["collectives"]):
+            if step["collective"] is not None and any(
+                o["id"] == step["collective"] and o["partner"] is None for o in g["collectives"]
+            ):
                 step["backward"] = None
 
 
@@ -295,7 +304,9 @@ def dropped_gradient_reduction(d, rng):
 def dropped_transpose(d, rng):
     """The backward reduce_scatter of a weight gather deleted (and its pairing)."""
     g = _graph(d)
-    owed = [c for c in g["collectives"] if c["direction"] == "backward" and c["kind"] == "reduce_scatter" and c["partner"]]
+    owed = [
+        c for c in g["collectives"] if c["direction"] == "backward" and c["kind"] == "reduce_scatter" and c["partner"]
+    ]
     if not owed:
         return None
     _remove_collective(d, rng.choice(owed)["id"])
@@ -307,10 +318,30 @@ def unknown_version(d, rng):
     return "schema version"
 
 
-MUTATIONS = [dropped_reduction, partial_never_reduced, wrong_shard_dim, wrong_bytes, wrong_wire_bytes, wrong_move_kind,
-             wrong_transpose_kind, backward_not_the_transpose, partner_of_another, backward_not_owed, swapped_order,
-             stale_digest, wrong_participants, indivisible_shard, wrong_world_size, wrong_mesh_dim, wrong_move_source,
-             wrong_bucket_bytes, collective_never_issued, dropped_gradient_reduction, dropped_transpose, unknown_version]
+MUTATIONS = [
+    dropped_reduction,
+    partial_never_reduced,
+    wrong_shard_dim,
+    wrong_bytes,
+    wrong_wire_bytes,
+    wrong_move_kind,
+    wrong_transpose_kind,
+    backward_not_the_transpose,
+    partner_of_another,
+    backward_not_owed,
+    swapped_order,
+    stale_digest,
+    wrong_participants,
+    indivisible_shard,
+    wrong_world_size,
+    wrong_mesh_dim,
+    wrong_move_source,
+    wrong_bucket_bytes,
+    collective_never_issued,
+    dropped_gradient_reduction,
+    dropped_transpose,
+    unknown_version,
+]
 SEEDS = (0, 1, 2)
 
 
@@ -331,10 +362,14 @@ def test_seeded_mutations_are_caught_and_named(strategies):
                     text = str(next(p for p in found if p.rule == rule))
                     assert f"rule '{rule}'" in text and "the file says" in text and "it should be" in text
                 else:
-                    missed.append(f"{name} {mutate.__name__} seed {seed}: expected rule {rule!r}, got "
-                                  f"{[str(p) for p in found][:3]}")
-    print(f"\nverifier catch rate: {caught}/{tried} = {caught / tried:.0%} of seeded mutations "
-          f"({len(MUTATIONS)} kinds x {len(strategies)} files x {len(SEEDS)} seeds where applicable)")
+                    missed.append(
+                        f"{name} {mutate.__name__} seed {seed}: expected rule {rule!r}, got "
+                        f"{[str(p) for p in found][:3]}"
+                    )
+    print(
+        f"\nverifier catch rate: {caught}/{tried} = {caught / tried:.0%} of seeded mutations "
+        f"({len(MUTATIONS)} kinds x {len(strategies)} files x {len(SEEDS)} seeds where applicable)"
+    )
     assert tried >= 100 and not missed, "\n".join(missed)
 
 
@@ -344,8 +379,10 @@ def test_a_failure_names_the_value_the_rule_and_both_sides(strategies):
     with pytest.raises(hca.StrategyError) as info:
         hca.verify(broken)
     message = str(info.value)
-    assert "graph 0, value 'out': rule 'partial reduced before use'" in message or \
-        "rule 'partial reduced before use'" in message
+    assert (
+        "graph 0, value 'out': rule 'partial reduced before use'" in message
+        or "rule 'partial reduced before use'" in message
+    )
     assert "the file says" in message and "it should be" in message and "a move reducing" in message
 
 

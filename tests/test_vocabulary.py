@@ -29,8 +29,13 @@ def test_every_view_is_free_on_the_timeline_and_late_for_the_schedule():
     costs = DEFAULTS["gloo"]
     nodes = [n for n in _graph().nodes if n.op == "call_function"]
     views = [n for n in nodes if is_view_op(n.target)]
-    assert {n.target for n in views} >= {aten._unsafe_view.default, aten.view.default, aten.t.default,
-                                          aten.transpose.int, aten.expand.default}
+    assert {n.target for n in views} >= {
+        aten._unsafe_view.default,
+        aten.view.default,
+        aten.t.default,
+        aten.transpose.int,
+        aten.expand.default,
+    }
     for n in views:
         assert op_seconds(n, costs) == 0.0, n.format_node()
         assert events.is_view(n), n.format_node()
@@ -38,8 +43,12 @@ def test_every_view_is_free_on_the_timeline_and_late_for_the_schedule():
 
 def test_compute_is_charged_and_not_a_view():
     costs = DEFAULTS["gloo"]
-    compute = [n for n in _graph().nodes if n.op == "call_function" and n.target in
-               (aten.mm.default, aten.mul.Tensor, aten.relu.default, aten.sum.default)]
+    compute = [
+        n
+        for n in _graph().nodes
+        if n.op == "call_function"
+        and n.target in (aten.mm.default, aten.mul.Tensor, aten.relu.default, aten.sum.default)
+    ]
     assert len(compute) == 4
     for n in compute:
         assert not is_view_op(n.target) and not events.is_view(n)

@@ -50,14 +50,29 @@ ALL_CASES = [
 # What CI runs: every model under at least two plans at 2 ranks, and a few at 4 ranks and on
 # the (2, 2) mesh. The whole matrix (60 cases, 8.5 min on 2 cores) runs with TORCH_HCA_ZOO=all.
 CI_CASES = [
-    ("gpt2", "dp", 2), ("gpt2", "megatron", 2), ("llama", "megatron", 2), ("llama", "fsdp", 2),
-    ("bert", "dp", 2), ("bert", "megatron", 2), ("test_transformer", "megatron", 2), ("test_transformer", "auto", 2),
-    ("convnet", "dp", 2), ("convnet", "fsdp", 2), ("vit", "dp", 2), ("vit", "megatron", 2),
-    ("inplace_mlp", "megatron", 2), ("inplace_mlp", "dp", 2), ("inplace_mlp", "fsdp", 2), ("inplace_mlp", "auto", 2),
-    ("test_transformer", "dp", 4), ("inplace_mlp", "megatron", 4), ("inplace_mlp", "2d", 4),
+    ("gpt2", "dp", 2),
+    ("gpt2", "megatron", 2),
+    ("llama", "megatron", 2),
+    ("llama", "fsdp", 2),
+    ("bert", "dp", 2),
+    ("bert", "megatron", 2),
+    ("test_transformer", "megatron", 2),
+    ("test_transformer", "auto", 2),
+    ("convnet", "dp", 2),
+    ("convnet", "fsdp", 2),
+    ("vit", "dp", 2),
+    ("vit", "megatron", 2),
+    ("inplace_mlp", "megatron", 2),
+    ("inplace_mlp", "dp", 2),
+    ("inplace_mlp", "fsdp", 2),
+    ("inplace_mlp", "auto", 2),
+    ("test_transformer", "dp", 4),
+    ("inplace_mlp", "megatron", 4),
+    ("inplace_mlp", "2d", 4),
 ]
 assert set(CI_CASES) <= set(ALL_CASES)
 CASES = ALL_CASES if os.environ.get("TORCH_HCA_ZOO") == "all" else CI_CASES
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _first_call_table(request):
@@ -67,7 +82,9 @@ def _first_call_table(request):
         return
     lines = ["", "model zoo: first compiled call, wall seconds (compilation included)"]
     lines += [f"  hca       {case:<36} {s:8.2f}" for case, s in sorted(FIRST_CALL_S.items())]
-    lines += [f"  inductor  {m + ' (1 device, fwd+bwd)':<36} {s:8.2f}" for m, s in sorted(INDUCTOR_FIRST_CALL_S.items())]
+    lines += [
+        f"  inductor  {m + ' (1 device, fwd+bwd)':<36} {s:8.2f}" for m, s in sorted(INDUCTOR_FIRST_CALL_S.items())
+    ]
     capture = request.config.pluginmanager.getplugin("capturemanager")
     reporter = request.config.pluginmanager.getplugin("terminalreporter")
     with capture.global_and_fixture_disabled():
@@ -98,7 +115,7 @@ def test_zero_gradients_are_zero(name):
     model, make_inputs, loss_fn = model_zoo.build(name)
     xs = make_inputs(model_zoo.BATCH)
     loss_fn(model(*xs), xs).backward()
-    total = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters()))
+    total = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters()))
     for pattern in model_zoo.ZERO_GRADIENT[name]:
         hits = [p for n, p in model.named_parameters() if fnmatch.fnmatchcase(n, pattern)]
         assert hits, f"{pattern!r} matches no parameter"
@@ -107,8 +124,10 @@ def test_zero_gradients_are_zero(name):
 
 EXPECTED_TIES = {
     "gpt2": [["hf.lm_head.weight", "hf.transformer.wte.weight"]],
-    "bert": [["hf.bert.embeddings.word_embeddings.weight", "hf.cls.predictions.decoder.weight"],
-             ["hf.cls.predictions.bias", "hf.cls.predictions.decoder.bias"]],
+    "bert": [
+        ["hf.bert.embeddings.word_embeddings.weight", "hf.cls.predictions.decoder.weight"],
+        ["hf.cls.predictions.bias", "hf.cls.predictions.decoder.bias"],
+    ],
     "test_transformer": [["output.weight", "tok_embeddings.weight"]],
 }
 
@@ -142,11 +161,14 @@ def test_test_transformer_under_dtensors_own_layout(worlds):
     which runs each op twice, must not use up or clash with those masks (it once raised on
     the embedding, and Dynamo turned that into a graph break)."""
     options = {"check": True, "layout": "dtensor"}
-    results = worlds(2).run(zoo_cases.zoo_parity, "test_transformer", "megatron", STEPS, "sgd", options,
-                            timeout_s=RUN_TIMEOUT_S)
+    results = worlds(2).run(
+        zoo_cases.zoo_parity, "test_transformer", "megatron", STEPS, "sgd", options, timeout_s=RUN_TIMEOUT_S
+    )
     _assert_parity("test_transformer", results)
     implicit = results[0]["implicit"]
-    assert len(implicit) == 2 and all("aten.embedding.default argument 1: (R) -> (P(sum))" in m for m in implicit), implicit
+    assert len(implicit) == 2 and all("aten.embedding.default argument 1: (R) -> (P(sum))" in m for m in implicit), (
+        implicit
+    )
     # DTensor's own choices in forward: the two masked embeddings summed, one all-reduce per
     # attention and per MLP, and the vocabulary-sharded logits gathered.
     assert results[0]["forward"] == {"all_reduce": 2 + 2 * model_zoo.TT_LAYERS, "all_gather": 1}
@@ -185,8 +207,11 @@ DROPOUT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("model_name,plan,world_size,extra,collectives", DROPOUT_CASES,
-                         ids=[f"{m}-{p}-{w}{''.join('-' + v for v in e.values())}" for m, p, w, e, _ in DROPOUT_CASES])
+@pytest.mark.parametrize(
+    "model_name,plan,world_size,extra,collectives",
+    DROPOUT_CASES,
+    ids=[f"{m}-{p}-{w}{''.join('-' + v for v in e.values())}" for m, p, w, e, _ in DROPOUT_CASES],
+)
 def test_dropout_draws_what_one_device_draws(worlds, model_name, plan, world_size, extra, collectives):
     """Seeded alike on every rank and for the reference, every rank draws its piece of the masks
     one device draws (torch_hca.compiler.randomness): outputs, gradients and 2 SGD steps match one device
@@ -195,7 +220,9 @@ def test_dropout_draws_what_one_device_draws(worlds, model_name, plan, world_siz
     `gpt2-megatron` did not compile."""
     options = {**zoo_cases.backend_options(), "layout": "dtensor", **extra}
     world = worlds(world_size)
-    dropped = world.run(zoo_cases.zoo_parity, model_name, plan, STEPS, "sgd", options, False, 0.1, timeout_s=RUN_TIMEOUT_S)
+    dropped = world.run(
+        zoo_cases.zoo_parity, model_name, plan, STEPS, "sgd", options, False, 0.1, timeout_s=RUN_TIMEOUT_S
+    )
     _assert_parity(model_name, dropped)
     assert dropped[0]["random_draws"] and all("bernoulli" in d for d in dropped[0]["random_draws"])
     # Megatron's per-layer all-reduces (dropout read sharded and partial values), or rows split
@@ -214,8 +241,16 @@ def test_test_transformer_megatron_is_the_megatron_minimum(fake_pg):
     import torch_hca as hca
 
     layers = 4
-    args = ModelArgs(n_layers=layers, vocab_size=64, max_seq_len=16, dim=256, n_heads=8, dropout_p=0.0,
-                     use_attn_mask=True, weight_tying=True)
+    args = ModelArgs(
+        n_layers=layers,
+        vocab_size=64,
+        max_seq_len=16,
+        dim=256,
+        n_heads=8,
+        dropout_p=0.0,
+        use_attn_mask=True,
+        weight_tying=True,
+    )
     torch.manual_seed(0)
     model = hca.sharded(model_zoo.MEGATRON["test_transformer"], mesh=fake_pg)(Transformer(args))
     compiled = torch.compile(model, backend="hca", options={"strict": True})
@@ -234,8 +269,7 @@ def test_fsdp_gradients_reduce_scattered_on_gloo_run_as_all_reduces(worlds):
     reaches the emitter; a slow compute rate makes gathering compute-heavy and reduce-scattering
     the gradients the cheaper choice."""
     options = {**zoo_cases.backend_options(), "cost_model": {"flops_per_s": 1e8}}
-    results = worlds(2).run(zoo_cases.zoo_parity, "llama", "fsdp", STEPS, "sgd", options, True,
-                            timeout_s=RUN_TIMEOUT_S)
+    results = worlds(2).run(zoo_cases.zoo_parity, "llama", "fsdp", STEPS, "sgd", options, True, timeout_s=RUN_TIMEOUT_S)
     _assert_parity("llama", results)
     first = results[0]
     scattered = first["backward"].get("reduce_scatter", 0)
@@ -247,19 +281,24 @@ def test_fsdp_gradients_reduce_scattered_on_gloo_run_as_all_reduces(worlds):
 
 # At 4 ranks tune is checked on a graph break (test_features.py), not here: a 4-rank GPT-2 tune
 # took 29 s of the suite's 20-minute budget.
-@pytest.mark.parametrize("model_name,plan_name,world_size", [
-    ("gpt2", "megatron", 2),
-    # DTensor's own choice cannot compile here under strict (an implicit redistribution): tune
-    # notes it. The solver's three (communication as calibrated, x4, x0.25) are one program here
-    # since the cost model counts attention's FLOPs: one candidate, kept without timing.
-    ("llama", "fsdp", 2)])
+@pytest.mark.parametrize(
+    "model_name,plan_name,world_size",
+    [
+        ("gpt2", "megatron", 2),
+        # DTensor's own choice cannot compile here under strict (an implicit redistribution): tune
+        # notes it. The solver's three (communication as calibrated, x4, x0.25) are one program here
+        # since the cost model counts attention's FLOPs: one candidate, kept without timing.
+        ("llama", "fsdp", 2),
+    ],
+)
 def test_tune_keeps_the_fastest_layout_and_it_trains_as_one_device(worlds, model_name, plan_name, world_size):
     """Option layout="tune" on zoo models: parity with one device (the first call's timing runs
     leave no trace on the training), every rank keeps the same program, the report shows that
     program alone, and the collectives that ran are the kept program's."""
     options = {**zoo_cases.backend_options(), "layout": "tune", "tune_rounds": 2}
-    results = worlds(world_size).run(zoo_cases.zoo_parity, model_name, plan_name, STEPS, "sgd", options, True,
-                                     timeout_s=RUN_TIMEOUT_S)
+    results = worlds(world_size).run(
+        zoo_cases.zoo_parity, model_name, plan_name, STEPS, "sgd", options, True, timeout_s=RUN_TIMEOUT_S
+    )
     _assert_parity(model_name, results)
     first = results[0]
     (tuning,) = first["tuning"]

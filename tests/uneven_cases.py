@@ -35,11 +35,16 @@ def deep_mlp() -> model_zoo.Built:
 def zoo_gpt() -> model_zoo.Built:
     from torch_hca.tools import zoo
 
-    return zoo.GPT(vocab=model_zoo.VOCAB, dim=32, heads=4, hidden=64, layers=2), model_zoo.token_inputs, model_zoo.lm_loss
+    return (
+        zoo.GPT(vocab=model_zoo.VOCAB, dim=32, heads=4, hidden=64, layers=2),
+        model_zoo.token_inputs,
+        model_zoo.lm_loss,
+    )
 
 
-def dp_by_shares(model_name: str, shares: tuple[int, ...], batch: int, weighted: bool = True,
-                 steps: int = 2, megatron: bool = False) -> dict:
+def dp_by_shares(
+    model_name: str, shares: tuple[int, ...], batch: int, weighted: bool = True, steps: int = 2, megatron: bool = False
+) -> dict:
     """Two SGD steps (momentum 0.9) of `model_name` under data parallelism cut by `shares`.
 
     ``weighted=False`` is the classic bug of uneven data parallelism, the negative control:
@@ -57,11 +62,14 @@ def dp_by_shares(model_name: str, shares: tuple[int, ...], batch: int, weighted:
     mesh = hca.init_mesh((n, 2), ("dp", "tp")) if megatron else hca.init_mesh()
     rank = mesh.get_coordinate()[0]
     torch.manual_seed(0)
-    ref, make_inputs, loss_fn = {"deep_mlp": deep_mlp, "zoo_gpt": zoo_gpt}.get(model_name, lambda: model_zoo.build(model_name))()
+    ref, make_inputs, loss_fn = {"deep_mlp": deep_mlp, "zoo_gpt": zoo_gpt}.get(
+        model_name, lambda: model_zoo.build(model_name)
+    )()
     cut = (hca.Shard(0, shares=shares), hca.Replicate()) if megatron else hca.Shard(0, shares=shares)
     plan = zoo.two_d(zoo.TP_GPT) if megatron else {}
-    model = hca.sharded(plan, mesh=mesh, inputs=cut, outputs=cut,
-                        loss_reduction="mean" if weighted else "sum")(copy.deepcopy(ref))
+    model = hca.sharded(plan, mesh=mesh, inputs=cut, outputs=cut, loss_reduction="mean" if weighted else "sum")(
+        copy.deepcopy(ref)
+    )
     compiled = torch.compile(model, backend="hca", options={"check": True})
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
@@ -72,13 +80,13 @@ def dp_by_shares(model_name: str, shares: tuple[int, ...], batch: int, weighted:
     for step in range(steps):
         torch.manual_seed(100 + step)  # one global batch, the same on every rank
         inputs = make_inputs(batch)
-        local = tuple(t[start:start + rows[rank]] for t in inputs)
+        local = tuple(t[start : start + rows[rank]] for t in inputs)
         out = compiled(*local)
         loss = loss_fn(out, local)
         (loss if weighted else loss / n).backward()
         ref_out = ref(*inputs)
         loss_fn(ref_out, inputs).backward()
-        out_err = max(out_err, _rel(out, ref_out[start:start + rows[rank]]))
+        out_err = max(out_err, _rel(out, ref_out[start : start + rows[rank]]))
         for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
             grad_errs[name] = max(grad_errs[name], _rel(p.grad, q.grad))
         opt.step()
@@ -133,14 +141,16 @@ def mean_inside(shares: tuple[int, ...], batch: int, kind: str = "loss") -> dict
     compiled = torch.compile(model, backend="hca")
     rows = rows_for(shares, batch)
     x = torch.randn(batch, 8)
-    loss = compiled(x[sum(rows[:rank]):sum(rows[:rank + 1])])
+    loss = compiled(x[sum(rows[:rank]) : sum(rows[: rank + 1])])
     loss.backward()
     ref_loss = ref(x)
     ref_loss.backward()
     report = hca.report(compiled)
     return {
         "loss_err": _rel(loss, ref_loss),
-        "grad_errs": {n: _rel(p.grad, q.grad) for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())},
+        "grad_errs": {
+            n: _rel(p.grad, q.grad) for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())
+        },
         "forward": [(c.kind, c.bytes) for c in report.collectives if c.direction == "forward"],
         "weighted": report.graph.weighted_means,
     }
@@ -158,7 +168,7 @@ def eager_by_shares(shares: tuple[int, ...], batch: int) -> float:
     x = torch.randn(batch, 8)
     rows = rows_for(shares, batch)
     start = sum(rows[:rank])
-    model(x[start:start + rows[rank]]).square().mean().backward()
+    model(x[start : start + rows[rank]]).square().mean().backward()
     ref(x).square().mean().backward()
     return max(_rel(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
 

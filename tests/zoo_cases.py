@@ -64,8 +64,15 @@ def _optimizer(name: str, params) -> torch.optim.Optimizer:
     raise ValueError(f"optimizer {name!r}: use 'sgd' (with momentum) or 'adam'")
 
 
-def zoo_parity(model_name: str, plan_name: str, steps: int = 2, optimizer: str = "sgd",
-               options: dict | None = None, count_c10d: bool = False, dropout: float = 0.0) -> dict[str, Any]:
+def zoo_parity(
+    model_name: str,
+    plan_name: str,
+    steps: int = 2,
+    optimizer: str = "sgd",
+    options: dict | None = None,
+    count_c10d: bool = False,
+    dropout: float = 0.0,
+) -> dict[str, Any]:
     """Outputs, gradients and `steps` optimizer steps of the sharded, hca-compiled model
     against the single-device reference, plus the report's graphs and collectives.
     ``options``: backend options to use instead of `backend_options()`. ``count_c10d``: also
@@ -204,5 +211,10 @@ def inductor_compile_time(model_name: str, batch: int = model_zoo.BATCH) -> dict
     second = time.perf_counter() - t0
     graphs = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
-    return {"first_call_s": first, "second_call_s": second, "graphs": graphs,
-            "graph_breaks": sum(counters["graph_break"].values()), "loss": loss.item()}
+    return {
+        "first_call_s": first,
+        "second_call_s": second,
+        "graphs": graphs,
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "loss": loss.item(),
+    }

@@ -127,7 +127,12 @@ def record_implicit_redistributions() -> Iterator[list[RedistributionEvent]]:
         flat = getattr(op_info, "args_tree_spec", None) is not None
         targets = torch.utils._pytree.tree_leaves(schema) if flat else list(schema)
         for i, src in enumerate(op_info.flat_args_schema):
-            if isinstance(src, DTensorSpec) and i < len(targets) and isinstance(targets[i], DTensorSpec) and src != targets[i]:
+            if (
+                isinstance(src, DTensorSpec)
+                and i < len(targets)
+                and isinstance(targets[i], DTensorSpec)
+                and src != targets[i]
+            ):
                 events.append(RedistributionEvent(suggested_input_schema.op, i, src, targets[i]))
         return inner(op_info, suggested_input_schema, *args, **kwargs)
 
@@ -189,8 +194,9 @@ def inductor_waits_late():
     """
     import torch._inductor.config as inductor_config
 
-    return inductor_config.patch(reorder_for_compute_comm_overlap=True,
-                                 reorder_for_compute_comm_overlap_passes=["sink_waits"])
+    return inductor_config.patch(
+        reorder_for_compute_comm_overlap=True, reorder_for_compute_comm_overlap_passes=["sink_waits"]
+    )
 
 
 def inductor_random_as_eager():
@@ -298,7 +304,7 @@ class ProfiledEvent:
     start_ns: int
     shapes: tuple  # per argument: a shape, or for a tensor list a list of shapes
     dtypes: tuple  # per argument: the C++ scalar type name; "TensorList" for a tensor list
-    nbytes: int    # "[memory]" events: bytes allocated (negative: freed); 0 otherwise
+    nbytes: int  # "[memory]" events: bytes allocated (negative: freed); 0 otherwise
     on_cpu: bool
 
 
@@ -314,10 +320,16 @@ def profiled_events(prof) -> list[ProfiledEvent]:
     out = []
     for e in prof.profiler.kineto_results.events():
         memory = e.name() == "[memory]"
-        out.append(ProfiledEvent(
-            e.name(), e.start_ns(), tuple(e.structured_input_shapes()), tuple(e.dtypes()),
-            e.nbytes() if memory else 0, e.device_type() == DeviceType.CPU,
-        ))
+        out.append(
+            ProfiledEvent(
+                e.name(),
+                e.start_ns(),
+                tuple(e.structured_input_shapes()),
+                tuple(e.dtypes()),
+                e.nbytes() if memory else 0,
+                e.device_type() == DeviceType.CPU,
+            )
+        )
     return out
 
 
@@ -347,8 +359,10 @@ def trace_artifact(name: str, encoding: str, payload: Callable[[], str]) -> None
     from torch._logging import trace_structured
 
     trace_structured(
-        "artifact", metadata_fn=lambda: {"name": name, "encoding": encoding},
-        payload_fn=payload, expect_trace_id=False,
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": encoding},
+        payload_fn=payload,
+        expect_trace_id=False,
     )
 
 
@@ -401,13 +415,15 @@ def cpu_flash_attention(q, k, v, mask, causal: bool, scale: float):
     CPU (``aten._scaled_dot_product_flash_attention_for_cpu``): q, k, v [b, h, L, E] with equal
     heads, `mask` additive (float) or None, no dropout."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
-        q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+        q, k, v, 0.0, causal, attn_mask=mask, scale=scale
+    )
 
 
 def cpu_flash_attention_backward(grad, q, k, v, out, logsumexp, mask, causal: bool, scale: float):
     """(dq, dk, dv) of `cpu_flash_attention`, from its output and logsumexp."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
-        grad, q, k, v, out, logsumexp, 0.0, causal, attn_mask=mask, scale=scale)
+        grad, q, k, v, out, logsumexp, 0.0, causal, attn_mask=mask, scale=scale
+    )
 
 
 def size_hint(value) -> int:

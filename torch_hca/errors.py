@@ -47,9 +47,7 @@ class RankError(HCAError):
         self.rank = rank
         self.kind = kind
         self.traceback_text = traceback_text
-        super().__init__(
-            f"rank {rank} failed with {kind}; its traceback:\n{traceback_text}"
-        )
+        super().__init__(f"rank {rank} failed with {kind}; its traceback:\n{traceback_text}")
 
 
 class CollectiveError(HCAError):

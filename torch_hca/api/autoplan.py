@@ -60,8 +60,12 @@ def plan(
             f"hca.plan: example_inputs must be a tuple of forward's arguments, got {type(example_inputs).__name__}; "
             "write (x,) for one argument"
         )
-    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Real)
-                                      or not math.isfinite(memory_budget) or memory_budget < 0):
+    if memory_budget is not None and (
+        isinstance(memory_budget, bool)
+        or not isinstance(memory_budget, numbers.Real)
+        or not math.isfinite(memory_budget)
+        or memory_budget < 0
+    ):
         raise PlanError(
             f"hca.plan: memory_budget={memory_budget!r}; give bytes per rank as a finite number >= 0 "
             "(e.g. 2e9 for 2 GB), or None for no bound"
@@ -76,8 +80,11 @@ def plan(
     with fake_dtensor_work([n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]):
         ops = layout_candidates.build_ops(gm, mesh, costs, lambda node: None, free_storage=lambda node: node in names)
     solution = layout_solver.solve(
-        ops, Costs(mesh, costs), memory_weight=opts.memory_weight,
-        memory_budget=memory_budget, time_limit_s=opts.solver_time_limit_s,
+        ops,
+        Costs(mesh, costs),
+        memory_weight=opts.memory_weight,
+        memory_budget=memory_budget,
+        time_limit_s=opts.solver_time_limit_s,
     )
     chosen = {names[node]: tuple(s.output) for node, s in solution.choice.items() if node in names}
     unread = {n: (Replicate(),) * mesh.ndim for n, _ in replicated.named_parameters() if n not in chosen}
@@ -104,8 +111,9 @@ def _dynamo_graph(module: nn.Module, args: tuple) -> tuple[torch.fx.GraphModule,
     except HCAError:
         raise
     except Exception as e:  # the model itself fails on these inputs, as it would on one device
-        shapes = ", ".join(f"{tuple(a.shape)} {dtype_str(a.dtype)}" if isinstance(a, torch.Tensor)
-                           else type(a).__name__ for a in args)
+        shapes = ", ".join(
+            f"{tuple(a.shape)} {dtype_str(a.dtype)}" if isinstance(a, torch.Tensor) else type(a).__name__ for a in args
+        )
         raise PlanError(
             f"hca.plan: {type(module).__name__}.forward fails on example_inputs ({shapes}, each this rank's "
             f"local piece laid out as inputs={module._hca_spec.inputs}): {_reason(e)}; give the arguments "

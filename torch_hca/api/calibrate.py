@@ -122,7 +122,7 @@ def _typical_in_turn_s(fns: list[Callable[[], None]], repeats: int) -> list[floa
             start = time.perf_counter()
             fn()
             kept.append(time.perf_counter() - start)
-    return [statistics.fmean(sorted(t)[:max(1, math.ceil(0.9 * len(t)))]) for t in times]
+    return [statistics.fmean(sorted(t)[: max(1, math.ceil(0.9 * len(t)))]) for t in times]
 
 
 def _median_s(fn: Callable[[], None], repeats: int) -> float:
@@ -130,8 +130,9 @@ def _median_s(fn: Callable[[], None], repeats: int) -> float:
     return statistics.median(_times(fn, repeats))
 
 
-def _after_compute_s(collective: Callable[[], None], compute: Callable[[], None], sync: Callable[[], None],
-                     repeats: int) -> float:
+def _after_compute_s(
+    collective: Callable[[], None], compute: Callable[[], None], sync: Callable[[], None], repeats: int
+) -> float:
     """The median time of `collective` issued right after `compute` on every rank (the
     compute untimed): what a collective in a training step pays, skew between ranks included."""
     times = []
@@ -145,8 +146,9 @@ def _after_compute_s(collective: Callable[[], None], compute: Callable[[], None]
     return statistics.median(times[1:])
 
 
-def _contention_times(step: Callable[[], None], k: int, start: Callable[[], dist.Work], sync: Callable[[], None],
-                      repeats: int) -> tuple[float, float, float]:
+def _contention_times(
+    step: Callable[[], None], k: int, start: Callable[[], dist.Work], sync: Callable[[], None], repeats: int
+) -> tuple[float, float, float]:
     """Seconds of `k` runs of `step` alone, of the collective `start()` returns alone, and of
     the collective issued before the `k` steps and waited after them (see `_share`)."""
     steps = lambda: ([step() for _ in range(k)], sync())
@@ -177,7 +179,8 @@ def _mlp_step(device: torch.device) -> tuple[Callable[[], None], float]:
         for layer in layers:
             y = torch.relu(layer(y))
         y.sum().backward()
-    return step, 11 * 2 * 256 ** 3
+
+    return step, 11 * 2 * 256**3
 
 
 def _op_step(device: torch.device) -> tuple[Callable[[], None], int]:
@@ -194,8 +197,11 @@ def _op_step(device: torch.device) -> tuple[Callable[[], None], int]:
         return make_boxed_func(gm.forward)
 
     layers = [torch.nn.Linear(4, 4, device=device) for _ in range(12)]
-    model = aot_module(torch.nn.Sequential(*(m for layer in layers for m in (layer, torch.nn.ReLU()))),
-                       fw_compiler=eager, bw_compiler=eager)
+    model = aot_module(
+        torch.nn.Sequential(*(m for layer in layers for m in (layer, torch.nn.ReLU()))),
+        fw_compiler=eager,
+        bw_compiler=eager,
+    )
     x = torch.randn(2, 4, device=device)
     step = lambda: model(x).sum().backward()
     step()  # compiles: forward and backward graphs
@@ -220,8 +226,9 @@ def _host_s(figures: dict[str, float], device: torch.device, repeats: int) -> tu
     x = torch.ones(2, 4, device=device)  # the same on every rank, as a Replicate() input must be
     steps, compiled = [], []
     for layers in (6, 24):
-        model = torch.nn.Sequential(*(m for _ in range(layers)
-                                      for m in (torch.nn.Linear(4, 4, device=device), torch.nn.ReLU())))
+        model = torch.nn.Sequential(
+            *(m for _ in range(layers) for m in (torch.nn.Linear(4, 4, device=device), torch.nn.ReLU()))
+        )
         c = torch.compile(sharded({}, mesh=mesh, inputs=Replicate(), outputs=Replicate())(model), backend="hca")
 
         def step(c=c, model=model):
@@ -238,8 +245,9 @@ def _host_s(figures: dict[str, float], device: torch.device, repeats: int) -> tu
         try:
             rep = report(c)
         except HCAError as e:  # Dynamo ran it uncompiled (its recompile limit for sharded modules, say)
-            warnings.warn(f"hca.calibrate: call_s and param_s are 0: a probe module did not compile with hca ({e})",
-                          stacklevel=3)
+            warnings.warn(
+                f"hca.calibrate: call_s and param_s are 0: a probe module did not compile with hca ({e})", stacklevel=3
+            )
             return 0.0, 0.0
         try:
             inside = rep.measured().measured_s
@@ -253,9 +261,24 @@ def _host_s(figures: dict[str, float], device: torch.device, repeats: int) -> tu
 
 
 # The probes a round times, by name: the spreads between rounds are kept under these names.
-PROBES = ("all_gather_4B", "all_reduce_4B", "all_reduce_64KiB", "all_reduce_512KiB", "all_reduce_4MiB",
-          "all_gather_4MiB", "reduce_scatter_4MiB", "mlp_step", "matmul_16_rows", "matmul_256_rows",
-          "gather_after_compute", "steps_alone", "all_reduce_alone", "all_reduce_under_steps", "op", "copy_16MiB")
+PROBES = (
+    "all_gather_4B",
+    "all_reduce_4B",
+    "all_reduce_64KiB",
+    "all_reduce_512KiB",
+    "all_reduce_4MiB",
+    "all_gather_4MiB",
+    "reduce_scatter_4MiB",
+    "mlp_step",
+    "matmul_16_rows",
+    "matmul_256_rows",
+    "gather_after_compute",
+    "steps_alone",
+    "all_reduce_alone",
+    "all_reduce_under_steps",
+    "op",
+    "copy_16MiB",
+)
 # The probes whose spread makes a calibration noisy: the rates layouts turn on (compute, a large
 # transfer). Small collectives and host times vary between rounds even on a quiet machine, and so
 # does the 16 MiB copy on a VM (66% on this project's quiet 2-core VM, 2026-12-03): not judged.
@@ -265,8 +288,9 @@ JUDGED = ("mlp_step", "matmul_256_rows", "all_reduce_4MiB")
 MAX_SPREAD = 0.5
 
 
-def calibrate(repeats: int = 20, *, cache: bool = False, refresh: bool = False, rounds: int = 3,
-              max_spread: float = MAX_SPREAD) -> Calibration:
+def calibrate(
+    repeats: int = 20, *, cache: bool = False, refresh: bool = False, rounds: int = 3, max_spread: float = MAX_SPREAD
+) -> Calibration:
     """Cost-model figures measured on the world's process group (rank 0's, on every rank).
 
     rounds: the measurement is repeated this many times and each probe keeps its fastest round
@@ -281,8 +305,9 @@ def calibrate(repeats: int = 20, *, cache: bool = False, refresh: bool = False, 
     return _measure(*_checked(repeats, rounds, max_spread))
 
 
-def cached_calibrate(repeats: int = 20, refresh: bool = False, *, store: bool = True, rounds: int = 3,
-                     max_spread: float = MAX_SPREAD) -> tuple[Calibration, bool]:
+def cached_calibrate(
+    repeats: int = 20, refresh: bool = False, *, store: bool = True, rounds: int = 3, max_spread: float = MAX_SPREAD
+) -> tuple[Calibration, bool]:
     """(figures, whether they came from the cache): the cached ones unless `refresh` or noisy,
     else measured and, with `store`, stored by rank 0 (`store_calibration`: not over a quiet
     entry when noisy). Rank 0 decides, so every rank takes the same branch."""
@@ -302,8 +327,10 @@ def _checked(repeats, rounds, max_spread) -> tuple[int, int, float]:
             what = "timed runs per probe and round, default 20" if name == "repeats" else "default 3"
             raise HCAError(f"hca.calibrate: {name}={value!r}; give a positive int ({what})")
     if isinstance(max_spread, bool) or not isinstance(max_spread, (int, float)) or not max_spread > 0:
-        raise HCAError(f"hca.calibrate: max_spread={max_spread!r}; give a number > 0 (default {MAX_SPREAD}: "
-                       "a round 50% slower than the fastest flags the figures noisy; math.inf: never)")
+        raise HCAError(
+            f"hca.calibrate: max_spread={max_spread!r}; give a number > 0 (default {MAX_SPREAD}: "
+            "a round 50% slower than the fastest flags the figures noisy; math.inf: never)"
+        )
     if not dist.is_initialized():
         raise MeshError("hca.calibrate(): no process group; call hca.init_mesh() first (or run under hca.launch)")
     return repeats, rounds, float(max_spread)
@@ -336,8 +363,8 @@ class _Probes:
         n = self.n = dist.get_world_size()
         self.sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
         tiny, out = torch.ones(1, device=device), torch.empty(n, device=device)
-        self.big = torch.ones(2 ** 20, device=device)  # 4 MiB of fp32
-        self.sizes = (2 ** 14, 2 ** 17, self.big.numel())  # fp32 elements: 64 KiB, 512 KiB, 4 MiB
+        self.big = torch.ones(2**20, device=device)  # 4 MiB of fp32
+        self.sizes = (2**14, 2**17, self.big.numel())  # fp32 elements: 64 KiB, 512 KiB, 4 MiB
         piece = torch.empty(self.big.numel() // n, device=device)
         self.bucket = torch.zeros_like(self.big)  # the scatter sums it in place, again and again: zeros stay zeros
         self.collectives = [  # PROBES[:7]
@@ -353,7 +380,7 @@ class _Probes:
         w = torch.randn(512, 512, device=device)
         small, large = torch.randn(16, 512, device=device), torch.randn(256, 512, device=device)
         self.matmuls = [lambda: (small @ w, self.sync()), lambda: (large @ w, self.sync())]
-        src, dst = torch.randn(2 ** 22, device=device), torch.empty(2 ** 22, device=device)
+        src, dst = torch.randn(2**22, device=device), torch.empty(2**22, device=device)
         self.copy, self.copy_bytes = (lambda: (dst.copy_(src), self.sync())), 2 * src.numel() * 4  # read and write
         self.steps_per_all_reduce = 0  # steps that outlast the 4 MiB all_reduce: set by the first round
 
@@ -361,8 +388,7 @@ class _Probes:
 def _round(p: _Probes, repeats: int) -> dict[str, float]:
     """Seconds of every probe (`PROBES`), one round; how each is timed: `_measure`."""
     dist.barrier()  # every rank runs them in the same turn: each call is matched on every rank
-    times = dict(zip(PROBES, _typical_in_turn_s([lambda op=op: (op(), p.sync()) for op in p.collectives],
-                                                2 * repeats)))
+    times = dict(zip(PROBES, _typical_in_turn_s([lambda op=op: (op(), p.sync()) for op in p.collectives], 2 * repeats)))
     dist.barrier()
     times["mlp_step"] = _median_s(lambda: (p.step(), p.sync()), max(repeats // 2, 3))
     times["matmul_16_rows"], times["matmul_256_rows"] = _typical_in_turn_s(p.matmuls, 2 * repeats)
@@ -371,7 +397,8 @@ def _round(p: _Probes, repeats: int) -> dict[str, float]:
     p.steps_per_all_reduce = p.steps_per_all_reduce or max(1, math.ceil(times["all_reduce_4MiB"] / times["mlp_step"]))
     dist.barrier()
     times["steps_alone"], times["all_reduce_alone"], times["all_reduce_under_steps"] = _contention_times(
-        p.step, p.steps_per_all_reduce, lambda: dist.all_reduce(p.bucket, async_op=True), p.sync, repeats)
+        p.step, p.steps_per_all_reduce, lambda: dist.all_reduce(p.bucket, async_op=True), p.sync, repeats
+    )
     times["op"] = _median_s(p.op_step, max(repeats, 20)) / p.ops
     (times["copy_16MiB"],) = _typical_in_turn_s([p.copy], repeats)
     return times
@@ -405,10 +432,13 @@ def _measure(repeats: int, rounds: int = 3, max_spread: float = MAX_SPREAD) -> C
     cal = _broadcast(Calibration({k: figures[k] for k in FIELDS}, measured_at, bool(noisy), spread))
     if cal.noisy and dist.get_rank() == 0:
         worst = ", ".join(f"{k} {spread[k]:.0%}" for k in noisy)
-        warnings.warn(f"hca.calibrate: noisy: the slowest of {rounds} rounds ran slower than the fastest by {worst} "
-                      f"(more than {max_spread:.0%}); other work shares the machine? Each probe keeps its fastest "
-                      "round, but the figures may still be slow, and they are flagged noisy: a cache keeps them only "
-                      "where it has no quiet entry, and hca.calibrate(cache=True) measures again", stacklevel=3)
+        warnings.warn(
+            f"hca.calibrate: noisy: the slowest of {rounds} rounds ran slower than the fastest by {worst} "
+            f"(more than {max_spread:.0%}); other work shares the machine? Each probe keeps its fastest "
+            "round, but the figures may still be slow, and they are flagged noisy: a cache keeps them only "
+            "where it has no quiet entry, and hca.calibrate(cache=True) measures again",
+            stacklevel=3,
+        )
     return cal
 
 
@@ -433,12 +463,16 @@ def _figures_of(t: dict[str, float], p: _Probes) -> dict[str, float]:
 
     half_dim = _half_dim(t["matmul_16_rows"], t["matmul_256_rows"])
     return {
-        "launch_s": launch, "alpha_s": alpha,
+        "launch_s": launch,
+        "alpha_s": alpha,
         "bytes_per_s": 1.0 / seconds_per_byte,
         # The MLP's matmuls are 256 wide: its rate over their share of the large matmuls' rate.
-        "flops_per_s": p.step_flops / t["mlp_step"] * (256 + half_dim) / 256, "matmul_half_dim": half_dim,
+        "flops_per_s": p.step_flops / t["mlp_step"] * (256 + half_dim) / 256,
+        "matmul_half_dim": half_dim,
         "memory_bytes_per_s": p.copy_bytes / t["copy_16MiB"],
-        "op_s": t["op"], "sync_s": sync, "call_s": 0.0,
+        "op_s": t["op"],
+        "sync_s": sync,
+        "call_s": 0.0,
         "contention": _share(t["steps_alone"], t["all_reduce_alone"], t["all_reduce_under_steps"]),
         "gather_bytes_per_s": rate(Kind.ALL_GATHER, t["all_gather_4MiB"]),
         "scatter_bytes_per_s": rate(Kind.REDUCE_SCATTER, t["reduce_scatter_4MiB"]),
@@ -470,7 +504,7 @@ def _reduce_scatter_as_emitted(x: torch.Tensor, out: torch.Tensor) -> None:
     if scatter_runs_as_all_reduce(str(dist.get_backend()), x.device.type):
         start = dist.get_rank() * out.shape[0]
         dist.all_reduce(x)
-        out.copy_(x[start:start + out.shape[0]])
+        out.copy_(x[start : start + out.shape[0]])
     else:
         dist.reduce_scatter_tensor(out, x)
 
@@ -493,9 +527,13 @@ def calibrate_local(world_size: int = 2) -> str:
     lines = [f"cost model for {world_size} local gloo ranks, {figures.describe()}, cache {cache_dir() / CACHE_FILE}:"]
     lines += [f"  {k:<20} {v:.4g}" for k, v in figures.items()]
     if figures.noisy:
-        lines.append("noisy: the slowest round ran slower than the fastest by "
-                     + ", ".join(f"{k} {figures.spread[k]:.0%}" for k in JUDGED if k in figures.spread)
-                     + "; other work shares the machine? Measure again when it is quiet.")
+        lines.append(
+            "noisy: the slowest round ran slower than the fastest by "
+            + ", ".join(f"{k} {figures.spread[k]:.0%}" for k in JUDGED if k in figures.spread)
+            + "; other work shares the machine? Measure again when it is quiet."
+        )
         if kept is not None and not kept.noisy:
-            lines.append(f"not cached: the cache keeps the quiet calibration of {kept.describe()[len('calibrated '):]}")
+            lines.append(
+                f"not cached: the cache keeps the quiet calibration of {kept.describe()[len('calibrated ') :]}"
+            )
     return "\n".join(lines)

@@ -190,7 +190,9 @@ def _publish(root: str, version: str, manifest: dict, keep: int) -> dict:
 def _find(root: str, what: str) -> dict:
     """Rank 0: the published version's directory and manifest, its files checked."""
     if not os.path.isdir(root):
-        raise CheckpointError(f"{what}: no checkpoint at {root} (no such directory); hca.save(model, optimizer, path) writes one")
+        raise CheckpointError(
+            f"{what}: no checkpoint at {root} (no such directory); hca.save(model, optimizer, path) writes one"
+        )
     if os.path.exists(os.path.join(root, MANIFEST)):  # one version's directory, named directly
         directory = root
     elif os.path.exists(os.path.join(root, LATEST)):
@@ -213,7 +215,9 @@ def _find(root: str, what: str) -> dict:
         with open(os.path.join(directory, MANIFEST)) as f:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{what}: {directory} has no readable {MANIFEST} ({e}): it was not written by hca.save") from None
+        raise CheckpointError(
+            f"{what}: {directory} has no readable {MANIFEST} ({e}): it was not written by hca.save"
+        ) from None
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{what}: {directory}/{MANIFEST} is not a {FORMAT!r} manifest")
     for name, size in manifest["files"].items():
@@ -266,7 +270,9 @@ def _check_fits(model: nn.Module, optimizer, manifest: dict, reshard: bool, what
                 "into this layout (DCP moves the pieces)"
             )
     if optimizer is not None and not manifest["optimizer"]:
-        raise CheckpointError(f"{what}: the checkpoint has no optimizer state; pass optimizer=None to load the model alone")
+        raise CheckpointError(
+            f"{what}: the checkpoint has no optimizer state; pass optimizer=None to load the model alone"
+        )
 
 
 def _layout_text(layout: dict | None) -> str:
@@ -300,8 +306,14 @@ def _state(model: nn.Module, optimizer) -> dict:
 # ----------------------------------------------------------------------------- the API
 
 
-def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike, *,
-         extra: Mapping[str, Any] | None = None, keep: int = 2) -> str:
+def save(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    path: str | os.PathLike,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    keep: int = 2,
+) -> str:
     """Write `model` (and `optimizer`'s state) to the directory `path`, atomically; return the version's directory.
 
     Every rank calls it. The checkpoint is published (``path/LATEST`` names
@@ -335,8 +347,12 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
         files.update(written)
     _fault("complete", tmp)
     manifest = {
-        "format": FORMAT, "version": version, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-        "parameters": _describe(model), "optimizer": optimizer is not None, "extra": json.loads(extra_text),
+        "format": FORMAT,
+        "version": version,
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "parameters": _describe(model),
+        "optimizer": optimizer is not None,
+        "extra": json.loads(extra_text),
         "files": files,
     }
 
@@ -348,8 +364,9 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     return os.path.join(root, version)
 
 
-def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike, *,
-         reshard: bool = False) -> dict[str, Any]:
+def load(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike, *, reshard: bool = False
+) -> dict[str, Any]:
     """Load the checkpoint published at `path` into `model` (and `optimizer`); return its ``extra``.
 
     Every rank calls it. `path` is what `save` was given (its ``LATEST`` is
@@ -368,7 +385,9 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
         with _one_process_quietly():
             dcp.load(state, checkpoint_id=found["dir"], no_dist=not dist.is_initialized())
     except CheckpointException as e:
-        raise CheckpointError(f"{what}: reading {found['dir']} failed on rank(s) {sorted(e.failures)}: {_first_failure(e)}") from e
+        raise CheckpointError(
+            f"{what}: reading {found['dir']} failed on rank(s) {sorted(e.failures)}: {_first_failure(e)}"
+        ) from e
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
@@ -376,8 +395,9 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     return manifest["extra"]
 
 
-def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any] | str | os.PathLike, *,
-                         strict: bool = True) -> None:
+def load_full_state_dict(
+    model: nn.Module, state_dict: Mapping[str, Any] | str | os.PathLike, *, strict: bool = True
+) -> None:
     """Load a single-device state dict (or a file ``torch.save`` wrote of one) into a sharded model.
 
     Every rank passes the same full tensors; each keeps its own piece (no
@@ -401,7 +421,7 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any] | str |
         hint = ""
         prefix = os.path.commonprefix(extra) if extra else ""
         if "." in prefix:
-            hint = f"; the keys it has start with {prefix[:prefix.rindex('.') + 1]!r}: strip that prefix"
+            hint = f"; the keys it has start with {prefix[: prefix.rindex('.') + 1]!r}: strip that prefix"
         raise CheckpointError(
             f"{what}: the state dict lacks {lacking[:5]} and has {extra[:5]} the model does not"
             f"{hint} (or pass strict=False)"

@@ -26,6 +26,7 @@ Tensor = torch.Tensor
 
 # ----------------------------------------------------------------- groups
 
+
 @dataclass(frozen=True)
 class Where:
     group_name: str

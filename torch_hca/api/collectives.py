@@ -81,15 +81,25 @@ from torch_hca.spmd.collective_kinds import RULES, Kind, already_summed
 
 Tensor = torch.Tensor
 
-__all__ = ["Role", "all_gather", "all_reduce", "all_to_all", "broadcast", "ppermute", "reduce_scatter", "role",
-           "unchecked"]
+__all__ = [
+    "Role",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "ppermute",
+    "reduce_scatter",
+    "role",
+    "unchecked",
+]
 
 
 # ----------------------------------------------------------------- roles
 
+
 @dataclass(frozen=True)
 class Role:
-    kind: str               # "R", "I", "V", "P" or "S"
+    kind: str  # "R", "I", "V", "P" or "S"
     dim: int | None = None  # the sharded dim, for "S"
 
     def __str__(self) -> str:
@@ -121,6 +131,7 @@ def role(spec: Any) -> Role:
 # ------------------------------------------------------ the autograd core
 
 # A step is (kind, params), a kind of the table; a plan is a tuple of steps.
+
 
 def _step(kind: Kind, **params: Any) -> tuple:
     return (kind, tuple(sorted(params.items())))
@@ -164,35 +175,53 @@ def _differentiable(x: Tensor, where: Where, kind: Kind, dst: Role, **params: An
 
 # ------------------------------------------------------------ role checks
 
+
 def _reject(op: str, src: Role, dst: Role, why: str) -> RoleError:
     return RoleError(f"hca.collectives.{op}(src='{src}', dst='{dst}'): {why}")
 
 
 def _dst_same_everywhere(op: str, src: Role, dst: Role) -> None:
     if dst.kind not in ("R", "I"):
-        raise _reject(op, src, dst, (
-            f"the result of {op} is the same on every rank, so dst must be 'R' (its gradient is the "
-            "same on every rank, e.g. a loss every rank calls backward on) or 'I' (each rank's gradient "
-            "is a summand, e.g. it feeds a column-parallel matmul)"
-            + ("; for a shard of a sum use reduce_scatter(src='P', dst='S(d)')" if op == "all_reduce" else "")
-        ))
+        raise _reject(
+            op,
+            src,
+            dst,
+            (
+                f"the result of {op} is the same on every rank, so dst must be 'R' (its gradient is the "
+                "same on every rank, e.g. a loss every rank calls backward on) or 'I' (each rank's gradient "
+                "is a summand, e.g. it feeds a column-parallel matmul)"
+                + ("; for a shard of a sum use reduce_scatter(src='P', dst='S(d)')" if op == "all_reduce" else "")
+            ),
+        )
 
 
 def _src_partial(op: str, src: Role, dst: Role, n: int) -> None:
     if src.kind in ("R", "I"):
-        raise _reject(op, src, dst, (
-            f"a value declared {src} is already the same on every rank; {op} sums it over the "
-            f"{n} ranks, counting it {n} times. Declare src='P' if each rank holds a summand, or do "
-            "not reduce it" + (" (take this rank's shard with x.chunk(n, d)[rank])" if op == "reduce_scatter" else "")
-        ))
+        raise _reject(
+            op,
+            src,
+            dst,
+            (
+                f"a value declared {src} is already the same on every rank; {op} sums it over the "
+                f"{n} ranks, counting it {n} times. Declare src='P' if each rank holds a summand, or do "
+                "not reduce it"
+                + (" (take this rank's shard with x.chunk(n, d)[rank])" if op == "reduce_scatter" else "")
+            ),
+        )
     if src.kind != "P":
-        raise _reject(op, src, dst, (
-            f"{op} sums its input over the ranks, so src must be 'P'; if the value is the sum of "
-            f"the ranks' values declare src='P', and to collect {src} pieces use all_gather(src='{src}')"
-        ))
+        raise _reject(
+            op,
+            src,
+            dst,
+            (
+                f"{op} sums its input over the ranks, so src must be 'P'; if the value is the sum of "
+                f"the ranks' values declare src='P', and to collect {src} pieces use all_gather(src='{src}')"
+            ),
+        )
 
 
 # --------------------------------------------------------- the collectives
+
 
 def all_reduce(x: Tensor, src: Any, dst: Any, *, group: Any = None, mesh_dim: int | str | None = None) -> Tensor:
     """Sum `x` over the group; every rank gets the sum. Accepts P -> R and P -> I.
@@ -222,13 +251,22 @@ def all_gather(x: Tensor, src: Any, dst: Any, *, group: Any = None, mesh_dim: in
     src, dst = role(src), role(dst)
     where = where_of(group, mesh_dim)
     if src.kind in ("R", "I"):
-        raise _reject("all_gather", src, dst,
-                      "the value is already whole on every rank; there is nothing to gather, use it as it is")
+        raise _reject(
+            "all_gather",
+            src,
+            dst,
+            "the value is already whole on every rank; there is nothing to gather, use it as it is",
+        )
     if src.kind == "P":
-        raise _reject("all_gather", src, dst, (
-            "a partial value must be summed, not gathered: all_reduce(src='P', dst='R'), "
-            "or reduce_scatter then all_gather"
-        ))
+        raise _reject(
+            "all_gather",
+            src,
+            dst,
+            (
+                "a partial value must be summed, not gathered: all_reduce(src='P', dst='R'), "
+                "or reduce_scatter then all_gather"
+            ),
+        )
     _dst_same_everywhere("all_gather", src, dst)
     if src.kind == "V":
         return _differentiable(x.unsqueeze(0), where, Kind.ALL_GATHER, dst, dim=0)
@@ -248,10 +286,15 @@ def reduce_scatter(x: Tensor, src: Any, dst: Any, *, group: Any = None, mesh_dim
     where = where_of(group, mesh_dim)
     _src_partial("reduce_scatter", src, dst, where.size)
     if dst.kind not in ("S", "V"):
-        raise _reject("reduce_scatter", src, dst, (
-            "reduce_scatter leaves each rank a different shard, so dst must be 'S(d)' or 'V'; "
-            "for the whole sum on every rank use all_reduce(src='P', dst='R')"
-        ))
+        raise _reject(
+            "reduce_scatter",
+            src,
+            dst,
+            (
+                "reduce_scatter leaves each rank a different shard, so dst must be 'S(d)' or 'V'; "
+                "for the whole sum on every rank use all_reduce(src='P', dst='R')"
+            ),
+        )
     if dst.kind == "S":
         return _differentiable(x, where, Kind.REDUCE_SCATTER, dst, dim=dst.dim)
     if x.dim() == 0 or x.shape[0] != where.size:
@@ -277,13 +320,18 @@ def all_to_all(x: Tensor, src: Any, dst: Any, *, group: Any = None, mesh_dim: in
         raise _reject("all_to_all", src, dst, "all_to_all trades one shard for another: write src='S(a)', dst='S(b)'")
     a, b = (d % max(x.dim(), 1) for d in (src.dim, dst.dim))
     if a == b:
-        raise _reject("all_to_all", src, dst,
-                      "src and dst shard the same dim; the value is already sharded that way, do not move it")
+        raise _reject(
+            "all_to_all",
+            src,
+            dst,
+            "src and dst shard the same dim; the value is already sharded that way, do not move it",
+        )
     return _differentiable(x, where, Kind.ALL_TO_ALL, dst, src_dim=src.dim, dst_dim=dst.dim)
 
 
-def broadcast(x: Tensor, src: Any, dst: Any, *, root: int = 0, group: Any = None,
-              mesh_dim: int | str | None = None) -> Tensor:
+def broadcast(
+    x: Tensor, src: Any, dst: Any, *, root: int = 0, group: Any = None, mesh_dim: int | str | None = None
+) -> Tensor:
     """Every rank gets rank `root`'s value (root: the rank within the group). Accepts V -> R | I.
 
     ::
@@ -295,19 +343,34 @@ def broadcast(x: Tensor, src: Any, dst: Any, *, root: int = 0, group: Any = None
     src, dst = role(src), role(dst)
     where = where_of(group, mesh_dim)
     if src.kind in ("R", "I"):
-        raise _reject("broadcast", src, dst,
-                      "the value is already the same on every rank; there is nothing to broadcast")
+        raise _reject(
+            "broadcast", src, dst, "the value is already the same on every rank; there is nothing to broadcast"
+        )
     if src.kind != "V":
-        raise _reject("broadcast", src, dst,
-                      f"broadcast copies the root's value, so src must be 'V' (a {src} value is not the root's alone)")
+        raise _reject(
+            "broadcast",
+            src,
+            dst,
+            f"broadcast copies the root's value, so src must be 'V' (a {src} value is not the root's alone)",
+        )
     _dst_same_everywhere("broadcast", src, dst)
     if isinstance(root, bool) or not isinstance(root, int):
-        raise CollectiveError(f"hca.collectives.broadcast: root={root!r} must be an int, the root's rank within the group")
+        raise CollectiveError(
+            f"hca.collectives.broadcast: root={root!r} must be an int, the root's rank within the group"
+        )
     return _differentiable(x, where, Kind.BROADCAST, dst, root=root)
 
 
-def ppermute(x: Tensor, src: Any, dst: Any, *, shift: int | None = None, perm=None, group: Any = None,
-             mesh_dim: int | str | None = None) -> Tensor:
+def ppermute(
+    x: Tensor,
+    src: Any,
+    dst: Any,
+    *,
+    shift: int | None = None,
+    perm=None,
+    group: Any = None,
+    mesh_dim: int | str | None = None,
+) -> Tensor:
     """Send this rank's value to rank ``rank + shift`` (mod n), or to ``perm[rank]``. Accepts V | S(d) -> V.
 
     ::
@@ -319,15 +382,22 @@ def ppermute(x: Tensor, src: Any, dst: Any, *, shift: int | None = None, perm=No
     src, dst = role(src), role(dst)
     where = where_of(group, mesh_dim)
     if src.kind not in ("V", "S") or dst.kind != "V":
-        raise _reject("ppermute", src, dst, (
-            "ppermute moves each rank's value to another rank, so the result differs per rank: "
-            "write src='V' (or 'S(d)'), dst='V'"
-        ))
+        raise _reject(
+            "ppermute",
+            src,
+            dst,
+            (
+                "ppermute moves each rank's value to another rank, so the result differs per rank: "
+                "write src='V' (or 'S(d)'), dst='V'"
+            ),
+        )
     if (shift is None) == (perm is None):
         raise CollectiveError(
             "hca.collectives.ppermute: give exactly one of shift= (a ring shift) or perm= (rank r sends to perm[r])"
         )
     if shift is not None and (isinstance(shift, bool) or not isinstance(shift, int)):
-        raise CollectiveError(f"hca.collectives.ppermute: shift={shift!r} must be an int (rank r sends to r + shift mod n)")
+        raise CollectiveError(
+            f"hca.collectives.ppermute: shift={shift!r} must be an int (rank r sends to r + shift mod n)"
+        )
     route = {"shift": shift} if perm is None else {"perm": tuple(perm)}
     return _differentiable(x, where, Kind.PERMUTE, dst, **route)

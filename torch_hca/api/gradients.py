@@ -60,7 +60,7 @@ def _reduce_bucket(bucket: Bucket, params: list[nn.Parameter]) -> None:
     offset = 0
     for p in params:
         local = p.grad._local_tensor
-        piece = flat[offset:offset + local.numel()].view_as(local)
+        piece = flat[offset : offset + local.numel()].view_as(local)
         offset += local.numel()
         placements = list(p.grad.placements)
         placements[bucket.mesh_dim] = Replicate()
@@ -80,8 +80,7 @@ def reduce_gradients(model: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES)
         raise HCAError(f"hca.reduce_gradients: bucket_bytes={bucket_bytes!r}; give a positive int (default 25 MiB)")
     done: list[Bucket] = []
     while True:
-        named = [(n, p) for n, p in model.named_parameters()
-                 if isinstance(p.grad, DTensor) and partial_dims(p.grad)]
+        named = [(n, p) for n, p in model.named_parameters() if isinstance(p.grad, DTensor) and partial_dims(p.grad)]
         if not named:
             return done
         for bucket, params in _buckets(named, bucket_bytes):

@@ -35,8 +35,18 @@ from torch_hca.compiler.logical import Holder, ScaleGrad, check_input_layout, me
 from torch_hca.compiler.parameters import register_sharded
 
 from torch_hca.api.sharded_forward import wrap_forward
-from torch_hca.compiler.plan_layouts import (Layout, check_uneven, grad_scale, io_layout, io_layouts, resolve_mesh, resolve_plan,
-                                            resolve_roles, share_weight)
+from torch_hca.compiler.plan_layouts import (
+    Layout,
+    check_uneven,
+    grad_scale,
+    io_layout,
+    io_layouts,
+    resolve_mesh,
+    resolve_plan,
+    resolve_roles,
+    share_weight,
+)
+
 
 @dataclass(frozen=True)
 class ShardingSpec:
@@ -128,18 +138,28 @@ def _cut_full_tensors(module: nn.Module, state_dict: dict, prefix: str, *_) -> N
     """
     for name, p in module.named_parameters(remove_duplicate=False):
         value = state_dict.get(prefix + name)
-        if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
-                and value.shape == p.shape:
-            state_dict[prefix + name] = distribute_tensor(value.detach(), p.device_mesh, p.placements, src_data_rank=None)
+        if (
+            isinstance(p, DTensor)
+            and isinstance(value, torch.Tensor)
+            and not isinstance(value, DTensor)
+            and value.shape == p.shape
+        ):
+            state_dict[prefix + name] = distribute_tensor(
+                value.detach(), p.device_mesh, p.placements, src_data_rank=None
+            )
 
 
 def _plan_lines(module: nn.Module, spec: ShardingSpec) -> list[str]:
     """The resolved plan as text, one line per parameter: what every rank must hold alike."""
-    lines = [f"mesh {tuple(spec.mesh.shape)} {spec.mesh.mesh_dim_names}",
-             f"inputs {spec.inputs!r}", f"outputs {spec.outputs!r} grad_scale {spec.grad_scale}"]
+    lines = [
+        f"mesh {tuple(spec.mesh.shape)} {spec.mesh.mesh_dim_names}",
+        f"inputs {spec.inputs!r}",
+        f"outputs {spec.outputs!r} grad_scale {spec.grad_scale}",
+    ]
     for name, p in module.named_parameters():
-        lines.append(f"parameter {name!r} {tuple(p.shape)} {dtype_str(p.dtype)} "
-                     f"{spec.params[name]} {spec.grad_roles[name]}")
+        lines.append(
+            f"parameter {name!r} {tuple(p.shape)} {dtype_str(p.dtype)} {spec.params[name]} {spec.grad_roles[name]}"
+        )
     return lines
 
 
@@ -250,9 +270,7 @@ def sharded(
             target.__init__ = sharded_init
             target.forward = wrap_forward(target.forward)
             return target
-        raise PlanError(
-            f"hca.sharded decorates an nn.Module class or instance, not {type(target).__name__}"
-        )
+        raise PlanError(f"hca.sharded decorates an nn.Module class or instance, not {type(target).__name__}")
 
     return apply
 
@@ -301,17 +319,29 @@ def _new_sharded(cls: type, made: bool, world_size: int) -> nn.Module:
             "to load into another world, save with hca.save and load with hca.load(..., reshard=True)"
         )
     final = _sharded_subclass(cls) if made else cls
-    receiving = type(cls.__name__, (final,), {
-        "__setstate__": _restore_sharded, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-    })
+    receiving = type(
+        cls.__name__,
+        (final,),
+        {
+            "__setstate__": _restore_sharded,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+        },
+    )
     return receiving.__new__(receiving)
 
 
 def _sharded_subclass(cls: type) -> type:
     """The class `sharded(...)(instance)` gives an instance of `cls`: its forward wrapped, picklable."""
-    sub = type(cls.__name__, (cls,), {
-        "forward": wrap_forward(cls.forward), "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-    })
+    sub = type(
+        cls.__name__,
+        (cls,),
+        {
+            "forward": wrap_forward(cls.forward),
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+        },
+    )
     support_pickling(sub, made=True)
     return sub
 

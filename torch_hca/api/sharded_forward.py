@@ -42,8 +42,10 @@ def wrap_forward(forward):
         args = tuple(tree_map(lambda t, i=i: spec.to_dtensor(t, i), a) for i, a in enumerate(args))
         kwargs = tree_map(lambda t: spec.to_dtensor(t, None), kwargs)
         replicated = (Replicate(),) * spec.mesh.ndim
-        buffers = {f"inner.{name}": DTensor.from_local(b, spec.mesh, replicated, run_check=False)
-                   for name, b in self.named_buffers()}  # views: in-place updates reach the buffers
+        buffers = {
+            f"inner.{name}": DTensor.from_local(b, spec.mesh, replicated, run_check=False)
+            for name, b in self.named_buffers()
+        }  # views: in-place updates reach the buffers
         # Plain tensors the forward makes (positions, masks, a cache's indices) are the same on
         # every rank: DTensor takes them as replicated instead of refusing to mix them.
         with DTensorRewrites(), implicit_replication():
@@ -83,7 +85,9 @@ def _traced_call(module: nn.Module, spec: ShardingSpec, args: tuple, kwargs: dic
 
 @torch._dynamo.disable
 def _mark_uneven(spec: ShardingSpec, args: tuple, kwargs: dict) -> None:
-    pieces = [(a, spec.input_layout(i)) for i, a in enumerate(args)] + [(v, spec.input_layout(None)) for v in kwargs.values()]
+    pieces = [(a, spec.input_layout(i)) for i, a in enumerate(args)] + [
+        (v, spec.input_layout(None)) for v in kwargs.values()
+    ]
     for value, layout in pieces:
         for t in tree_leaves(value):
             if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
@@ -95,10 +99,12 @@ def _mark_uneven(spec: ShardingSpec, args: tuple, kwargs: dict) -> None:
 @torch._dynamo.disable
 def _weighted(spec: ShardingSpec, out: Any) -> Any:
     """The results, each cut by shares with its cotangent times this rank's `share_weight`."""
+
     def weighted(t):
         if not isinstance(t, torch.Tensor) or not t.requires_grad:
             return t
         return spec.weighted(t, output_layout(t, spec.outputs, 1.0)[0])
+
     return tree_map(weighted, out)
 
 

@@ -59,7 +59,9 @@ def step(optimizer: torch.optim.Optimizer, *, nonfinite: str = "raise") -> bool:
         optimizer.step()
         return True
     if nonfinite == "raise":
-        where = "; ".join(f"rank {r}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}" for r, names in culprits.items())
+        where = "; ".join(
+            f"rank {r}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}" for r, names in culprits.items()
+        )
         raise CheckError(
             f"hca.step: non-finite gradients ({where}); no rank took the optimizer step. Look for the NaN or "
             "infinity in that rank's inputs, loss or learning rate, or pass nonfinite='skip_step' to skip such steps"

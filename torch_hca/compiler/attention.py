@@ -47,9 +47,14 @@ def _math(q, k, v, mask, causal: int, scale: float, groups: int):
 # What F.scaled_dot_product_attention runs on one CPU: 2-4x faster than the math above, and the
 # single-device program's own numbers. Other devices and shapes keep the math.
 
+
 def _fusable(q, mask) -> bool:
-    return (q.device.type == "cpu" and q.dim() == 4 and q.dtype in (torch.float32, torch.float64)
-            and (mask is None or mask.dim() in (2, 4)))
+    return (
+        q.device.type == "cpu"
+        and q.dim() == 4
+        and q.dtype in (torch.float32, torch.float64)
+        and (mask is None or mask.dim() in (2, 4))
+    )
 
 
 def _expand(t, groups: int):
@@ -70,8 +75,9 @@ def _fused(q, k, v, mask, causal: int, scale: float, groups: int):
 
 
 @torch.library.custom_op("hca::attention", mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              causal: int, scale: float, groups: int) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: int, scale: float, groups: int
+) -> torch.Tensor:
     if _fusable(q, mask):
         return _fused(q, k, v, mask, causal, scale, groups)[0].contiguous()
     return _math(q, k, v, mask, causal, scale, groups).contiguous()  # the strides the fake promises
@@ -83,12 +89,21 @@ def _(q, k, v, mask, causal, scale, groups):
 
 
 @torch.library.custom_op("hca::attention_backward", mutates_args=())
-def attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       mask: torch.Tensor | None, causal: int, scale: float, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: int,
+    scale: float,
+    groups: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _fusable(q, mask):  # the forward again for its logsumexp (cheaper than keeping [b, h, L] alive)
         out, lse, fmask, kx, vx = _fused(q, k, v, mask, causal, scale, groups)
-        dq, dk, dv = _torch_private.cpu_flash_attention_backward(grad.contiguous(), q, kx, vx, out, lse, fmask,
-                                                                 bool(causal), scale)
+        dq, dk, dv = _torch_private.cpu_flash_attention_backward(
+            grad.contiguous(), q, kx, vx, out, lse, fmask, bool(causal), scale
+        )
         if groups > 1:
             fold = lambda t: t.unflatten(-3, (t.size(-3) // groups, groups)).sum(dim=-3)
             dk, dv = fold(dk), fold(dv)
@@ -160,7 +175,7 @@ def _rules(q, k, v, mask, causal, backward: bool):
     tail = [None, None, None]  # causal, scale, groups
     nd = q.ndim
     # Split the batch, or the heads (dims counted from the end: [..., b, h, L, E]).
-    for from_end in ((4, 3) if nd >= 4 else (3,)):
+    for from_end in (4, 3) if nd >= 4 else (3,):
         d = nd - from_end
         s = Shard(d)
         m = _mask_placement(mask, from_end, s)
@@ -201,7 +216,9 @@ def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, en
             "yet; set the model's attention dropout to 0.0 (e.g. config.attn_pdrop / attention_dropout)"
         )
     if q.dim() < 3:
-        raise UnsupportedError(f"scaled_dot_product_attention on a {q.dim()}-D query; give [..., L, E] with a batch dim")
+        raise UnsupportedError(
+            f"scaled_dot_product_attention on a {q.dim()}-D query; give [..., L, E] with a batch dim"
+        )
     heads, kv_heads = q.size(-3), k.size(-3)
     if heads != kv_heads and (heads % kv_heads or not enable_gqa and q.dim() < 3):
         raise UnsupportedError(

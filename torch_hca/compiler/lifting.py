@@ -54,13 +54,21 @@ from torch_hca.compiler.logical import ENTER, LEAVE, decode, mesh_of
 
 SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 PARTITIONS = {"split", "chunk", "unbind", "tensor_split", "split_with_sizes"}
-INPLACE_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
-                     operator.itruediv: operator.truediv}
+INPLACE_OPERATORS = {
+    operator.iadd: operator.add,
+    operator.isub: operator.sub,
+    operator.imul: operator.mul,
+    operator.itruediv: operator.truediv,
+}
 
 
 def _looks_inplace(node: fx.Node) -> bool:
-    return (node.target in INPLACE_OPERATORS or bool(node.kwargs.get("inplace"))
-            or op_name(node).endswith("_") and not op_name(node).startswith("_"))
+    return (
+        node.target in INPLACE_OPERATORS
+        or bool(node.kwargs.get("inplace"))
+        or op_name(node).endswith("_")
+        and not op_name(node).startswith("_")
+    )
 
 
 def _replicated(v: DTensor) -> DTensor:
@@ -88,7 +96,9 @@ class Lifted:
         markers = [n for n in graph.nodes if n.target in (ENTER, LEAVE)]
         if not markers:
             return False  # per-rank code, or a replicated middle of a graph break
-        self.mesh_index = markers[0].args[3] if markers[0].target is ENTER else markers[0].args[2]  # leave(value, layout, mesh, scale)
+        self.mesh_index = (
+            markers[0].args[3] if markers[0].target is ENTER else markers[0].args[2]
+        )  # leave(value, layout, mesh, scale)
         self.mesh = mesh_of(self.mesh_index)
         self.gm = gm
         self.env: dict[fx.Node, Any] = {}
@@ -148,8 +158,12 @@ class Lifted:
         except UnsupportedError:
             raise
         except Exception as e:  # DTensor has no rule for it: run it whole on every rank
-            self._run_replicated(node, f"DTensor has no rule for it ({type(e).__name__}: {str(e).splitlines()[0][:160]})" if str(e)
-                                 else f"DTensor has no rule for it ({type(e).__name__})")
+            self._run_replicated(
+                node,
+                f"DTensor has no rule for it ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
+                if str(e)
+                else f"DTensor has no rule for it ({type(e).__name__})",
+            )
             return
         if drawn := self._drawn[before:]:
             raise UnsupportedError(
@@ -205,7 +219,11 @@ class Lifted:
         src, layout, shape, _ = node.args
         placements = decode(layout)
         sizes = [self.env[s] if isinstance(s, fx.Node) else s for s in shape]  # symbolic under dynamic shapes
-        if src.op == "call_method" and src.target == "to_local" and isinstance(src.args[0].meta.get("example_value"), DTensor):
+        if (
+            src.op == "call_method"
+            and src.target == "to_local"
+            and isinstance(src.args[0].meta.get("example_value"), DTensor)
+        ):
             param = src.args[0]  # a parameter: the DTensor itself, in its storage layout
             node.replace_all_uses_with(param)
             graph.erase_node(node)
@@ -248,7 +266,9 @@ class Lifted:
         elif node.op == "call_function":
             kind, target = "function", dtensor_ops.local_function(node.target)
         else:
-            raise UnsupportedError(f"lift: cannot run {node.name} ({node.op} {node.target}) replicated; source: {source_line(node)}")
+            raise UnsupportedError(
+                f"lift: cannot run {node.name} ({node.op} {node.target}) replicated; source: {source_line(node)}"
+            )
         node.args = (kind, target, item, *node.args)
         node.target, node.op = dtensor_ops.run_local, "call_function"
         args, kwargs = self._values(node)
@@ -265,7 +285,9 @@ class Lifted:
         """One node per result: slices of the input for split/chunk/unbind, else one replicated run each."""
         graph = self.gm.graph
         users = list(node.users)
-        if not all(u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int) for u in users):
+        if not all(
+            u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int) for u in users
+        ):
             raise UnsupportedError(
                 f"lift: {node.name} ({op_name(node)}) returns {len(value)} tensors and is used other than by "
                 f"indexing; source: {source_line(node)}"
@@ -279,11 +301,16 @@ class Lifted:
                 piece = value[i]
                 dim, start = _slice_of(whole, value, i)
                 with graph.inserting_before(u):
-                    new = (graph.call_method("select", (source, dim, start)) if piece.ndim < whole.ndim
-                           else graph.call_method("narrow", (source, dim, start, piece.shape[dim])))
+                    new = (
+                        graph.call_method("select", (source, dim, start))
+                        if piece.ndim < whole.ndim
+                        else graph.call_method("narrow", (source, dim, start, piece.shape[dim]))
+                    )
             else:
                 with graph.inserting_before(u):
-                    new = graph.call_function(dtensor_ops.run_local, (*node.args[:2], i, *node.args[3:]), dict(node.kwargs))
+                    new = graph.call_function(
+                        dtensor_ops.run_local, (*node.args[:2], i, *node.args[3:]), dict(node.kwargs)
+                    )
             u.replace_all_uses_with(new)
             graph.erase_node(u)
             self.erased.add(u)
@@ -301,7 +328,8 @@ class Lifted:
             )
         local = self.env[target]._local_tensor
         aliased = local._base is not None or any(
-            isinstance(v, DTensor) and v._local_tensor._base is local for n, v in self.env.items() if n is not target)
+            isinstance(v, DTensor) and v._local_tensor._base is local for n, v in self.env.items() if n is not target
+        )
         if aliased:
             raise UnsupportedError(
                 f"lift: {where} updates {target.name} in place while it is a view of, or viewed by, another value; "
@@ -313,7 +341,11 @@ class Lifted:
             node.target = INPLACE_OPERATORS[node.target]
         elif node.kwargs.get("inplace"):
             node.kwargs = {**node.kwargs, "inplace": False}
-        elif node.op == "call_function" and getattr(node.target, "__name__", "").endswith("_") and hasattr(torch, node.target.__name__[:-1]):
+        elif (
+            node.op == "call_function"
+            and getattr(node.target, "__name__", "").endswith("_")
+            and hasattr(torch, node.target.__name__[:-1])
+        ):
             node.target = getattr(torch, node.target.__name__[:-1])
         else:
             raise UnsupportedError(f"lift: {where} updates {target.name} in place and has no out-of-place form here")
@@ -330,13 +362,18 @@ def _slice_of(whole, pieces, i: int) -> tuple[int, int]:
     """The dim a partition op cut `whole` along, and where piece `i` starts."""
     for dim in range(whole.ndim):
         if pieces[i].ndim < whole.ndim:  # unbind: the dim that disappeared
-            if len(pieces) == whole.shape[dim] and tuple(pieces[i].shape) == tuple(whole.shape[:dim]) + tuple(whole.shape[dim + 1:]):
+            if len(pieces) == whole.shape[dim] and tuple(pieces[i].shape) == tuple(whole.shape[:dim]) + tuple(
+                whole.shape[dim + 1 :]
+            ):
                 return dim, i
             continue
         if sum(p.shape[dim] for p in pieces) == whole.shape[dim] and all(
-                p.shape[:dim] == whole.shape[:dim] and p.shape[dim + 1:] == whole.shape[dim + 1:] for p in pieces):
+            p.shape[:dim] == whole.shape[:dim] and p.shape[dim + 1 :] == whole.shape[dim + 1 :] for p in pieces
+        ):
             return dim, sum(p.shape[dim] for p in pieces[:i])
-    raise UnsupportedError(f"lift: cannot tell how a partition of {tuple(whole.shape)} into {[tuple(p.shape) for p in pieces]} was cut")
+    raise UnsupportedError(
+        f"lift: cannot tell how a partition of {tuple(whole.shape)} into {[tuple(p.shape) for p in pieces]} was cut"
+    )
 
 
 # --------------------------------------------------------------------- ops DTensor fails on after lifting
@@ -363,8 +400,13 @@ def dtensor_failure(gm: fx.GraphModule, error: BaseException, graph_index: int) 
     stage = "its decomposition"
     if node is None:
         node, stage = _failing_backward(gm, found[1]), "its backward"
-    what = "an op of the program (hca could not tell which)" if node is None else (
-        f"{node.name} ({op_name(node)}, source: {source_line(node)}) with inputs laid out as {_input_layouts(node)}")
+    what = (
+        "an op of the program (hca could not tell which)"
+        if node is None
+        else (
+            f"{node.name} ({op_name(node)}, source: {source_line(node)}) with inputs laid out as {_input_layouts(node)}"
+        )
+    )
     return UnsupportedError(
         f"backend 'hca': graph {graph_index}: DTensor {why} {found[1]}, which {stage} runs, in {what}. "
         "hca's probe of the op on DTensors passed, so it did not run it replicated. Write that line with other ops, "
@@ -376,8 +418,11 @@ def dtensor_failure(gm: fx.GraphModule, error: BaseException, graph_index: int) 
 def _input_layouts(node: fx.Node) -> str:
     from torch_hca.spmd.placements import layout_str
 
-    parts = [f"{a.name}: {layout_str(v.placements)}" for a in node.all_input_nodes
-             if isinstance(v := a.meta.get("example_value"), DTensor)]
+    parts = [
+        f"{a.name}: {layout_str(v.placements)}"
+        for a in node.all_input_nodes
+        if isinstance(v := a.meta.get("example_value"), DTensor)
+    ]
     return "{" + ", ".join(parts) + "}"
 
 
@@ -387,7 +432,9 @@ def _failing_backward(gm: fx.GraphModule, aten: str) -> fx.Node | None:
     leaf = lambda v: v.detach().requires_grad_(v.dtype.is_floating_point) if isinstance(v, DTensor) else v
     with fake_dtensor_work(placeholders):
         for node in gm.graph.nodes:
-            if node.op not in ("call_function", "call_method") or not isinstance(node.meta.get("example_value"), DTensor):
+            if node.op not in ("call_function", "call_method") or not isinstance(
+                node.meta.get("example_value"), DTensor
+            ):
                 continue
             try:
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: leaf(n.meta.get("example_value")))

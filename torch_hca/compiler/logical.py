@@ -53,7 +53,9 @@ def encode(layout: Layout, ndim: int | None = None) -> str:
     """``(Shard(0), Replicate())`` -> ``"S0,R"``: a layout as a custom op argument (an uneven
     shard's shares after a slash: ``"S0/1:3,R"``); with `ndim`, negative shard dims counted
     from the end of a tensor of that many dims."""
-    return ",".join((f"S{p.dim % ndim}" if ndim and isinstance(p, Shard) else letter(p)) + share_text(p) for p in layout)
+    return ",".join(
+        (f"S{p.dim % ndim}" if ndim and isinstance(p, Shard) else letter(p)) + share_text(p) for p in layout
+    )
 
 
 def decode(text: str) -> Layout:
@@ -129,8 +131,9 @@ def global_shape(local, layout: Layout, mesh_shape) -> list[int]:
 @torch.library.custom_op("hca::enter", mutates_args=())
 def enter(local: torch.Tensor, layout: str, shape: list[int], mesh: int) -> torch.Tensor:
     """The logical value whose local piece, laid out as `layout`, is `local` (eagerly: gathered)."""
-    whole = DTensor.from_local(local, mesh_of(mesh), decode(layout), run_check=False, shape=torch.Size(shape),
-                               stride=contiguous_stride(shape))
+    whole = DTensor.from_local(
+        local, mesh_of(mesh), decode(layout), run_check=False, shape=torch.Size(shape), stride=contiguous_stride(shape)
+    )
     return whole.full_tensor().clone()
 
 
@@ -236,10 +239,14 @@ def call_logically(module: torch.nn.Module, spec, args: tuple, kwargs: dict) -> 
         if id(p) not in logical:
             logical[id(p)] = enter_local(p, (), mesh, index, f"parameter {name!r}") if isinstance(p, DTensor) else p
         values[name] = logical[id(p)]
-    args = tuple(tree_map(lambda t, i=i: enter_local(t, spec.input_layout(i), mesh, index, f"forward argument {i}"), a)
-                 for i, a in enumerate(args))
-    kwargs = {k: tree_map(lambda t, k=k: enter_local(t, spec.input_layout(None), mesh, index, f"forward argument {k!r}"), v)
-              for k, v in kwargs.items()}
+    args = tuple(
+        tree_map(lambda t, i=i: enter_local(t, spec.input_layout(i), mesh, index, f"forward argument {i}"), a)
+        for i, a in enumerate(args)
+    )
+    kwargs = {
+        k: tree_map(lambda t, k=k: enter_local(t, spec.input_layout(None), mesh, index, f"forward argument {k!r}"), v)
+        for k, v in kwargs.items()
+    }
     holder = module.__dict__["_hca_logical"]
     values = {f"inner.{name}": v for name, v in values.items()}
     out = torch.func.functional_call(holder, values, args, kwargs, tie_weights=False, strict=False)
@@ -268,4 +275,5 @@ def output_layout(t: torch.Tensor, outputs: Layout, grad_scale: float) -> tuple[
     raise PlacementError(
         f"hca.sharded: outputs={tuple(outputs)} cuts dim {cut[0].dim} of a forward result of shape "
         f"{tuple(t.shape)}, which has {t.dim()} dims; give outputs= a placement this result can take "
-        "(Replicate() returns it whole) or return the result with that dim")
+        "(Replicate() returns it whole) or return the result with that dim"
+    )

@@ -108,9 +108,7 @@ class Options:
         known = {f.name for f in dataclasses.fields(cls)} - {"mode"}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise OptionsError(
-                f"backend 'hca': unknown option(s) {unknown}; the options are {sorted(known)}"
-            )
+            raise OptionsError(f"backend 'hca': unknown option(s) {unknown}; the options are {sorted(known)}")
         inner = options.get("inner", "eager")
         if inner not in INNER:
             raise OptionsError(f"backend 'hca': options['inner']={inner!r}; use one of {INNER}")
@@ -128,8 +126,10 @@ class Options:
         if isinstance(tune_rounds, bool) or not isinstance(tune_rounds, int) or tune_rounds < 1:
             raise OptionsError(f"backend 'hca': options['tune_rounds'] must be an int >= 1, got {tune_rounds!r}")
         if layout == "tune" and inner == "dtensor":
-            raise OptionsError("backend 'hca': options layout='tune' times compiled programs, and inner='dtensor' "
-                               "compiles none; use inner='eager' or 'inductor' with it")
+            raise OptionsError(
+                "backend 'hca': options layout='tune' times compiled programs, and inner='dtensor' "
+                "compiles none; use inner='eager' or 'inductor' with it"
+            )
         numbers = _numbers(options)
         overrides = options.get("cost_model") or {}
         if not isinstance(overrides, Mapping):
@@ -139,16 +139,22 @@ class Options:
         with_overrides(DEFAULTS["gloo"], overrides)  # validates names and values
         debug_dir = options.get("debug_dir") or os.environ.get("TORCH_HCA_DEBUG_DIR")
         if debug_dir is not None and not isinstance(debug_dir, (str, os.PathLike)):
-            raise OptionsError(
-                f"backend 'hca': options['debug_dir'] must be a directory path, got {debug_dir!r}"
-            )
+            raise OptionsError(f"backend 'hca': options['debug_dir'] must be a directory path, got {debug_dir!r}")
         strategy = _strategy(options.get("strategy"), layout)
         return cls(
-            inner=inner, strategy=strategy, strict=options.get("strict", False), debug_dir=debug_dir,
-            rank_rewrites=options.get("rank_rewrites", False), layout=layout, tune_rounds=tune_rounds,
-            cost_model=tuple(sorted(overrides.items())), schedule=options.get("schedule", True),
-            check=options.get("check", False), input_check=input_check,
-            mode=mode, **numbers,
+            inner=inner,
+            strategy=strategy,
+            strict=options.get("strict", False),
+            debug_dir=debug_dir,
+            rank_rewrites=options.get("rank_rewrites", False),
+            layout=layout,
+            tune_rounds=tune_rounds,
+            cost_model=tuple(sorted(overrides.items())),
+            schedule=options.get("schedule", True),
+            check=options.get("check", False),
+            input_check=input_check,
+            mode=mode,
+            **numbers,
         )
 
     def costs(self, device_type: str) -> CostModel:
@@ -189,10 +195,13 @@ def _strategy(strategy: Any, layout: str) -> str | None:
     """options['strategy'] checked: the path of a strategy file, and not with layout='tune'."""
     if strategy is not None:
         if not isinstance(strategy, (str, os.PathLike)):
-            raise OptionsError(f"backend 'hca': options['strategy'] must be the path of a strategy file, "
-                               f"got {strategy!r}; write it with hca.report(compiled).save_strategy(path)")
+            raise OptionsError(
+                f"backend 'hca': options['strategy'] must be the path of a strategy file, "
+                f"got {strategy!r}; write it with hca.report(compiled).save_strategy(path)"
+            )
         if layout == "tune":
-            raise OptionsError("backend 'hca': options strategy= and layout='tune' both choose the layout; "
-                               "leave one out")
+            raise OptionsError(
+                "backend 'hca': options strategy= and layout='tune' both choose the layout; leave one out"
+            )
         strategy = os.fspath(strategy)
     return strategy

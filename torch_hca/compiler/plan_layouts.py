@@ -65,7 +65,11 @@ def check_storage(layout: Layout, shape: torch.Size, mesh: DeviceMesh, what: str
                 raise PlacementError(
                     f"{what}: Shard({p.dim}) on a tensor of shape {tuple(shape)} with "
                     f"{len(shape)} dimension(s); "
-                    + (f"pick a dimension in 0..{len(shape) - 1}" if shape else "a 0-d tensor has nothing to shard: use Replicate()")
+                    + (
+                        f"pick a dimension in 0..{len(shape) - 1}"
+                        if shape
+                        else "a 0-d tensor has nothing to shard: use Replicate()"
+                    )
                 )
             p = Shard(dim)
         fixed.append(p)
@@ -94,8 +98,7 @@ def matching(pattern: str, names: list[str], what: str, then: str) -> list[str]:
 def resolve_plan(module: nn.Module, plan: Mapping[str, Any], mesh: DeviceMesh) -> dict[str, Layout]:
     if not isinstance(plan, Mapping):
         raise PlanError(
-            f"hca.sharded: the plan must map parameter-name patterns to placements, "
-            f"got {type(plan).__name__}"
+            f"hca.sharded: the plan must map parameter-name patterns to placements, got {type(plan).__name__}"
         )
     named = dict(module.named_parameters())
     chosen: dict[str, tuple[str, Layout]] = {}
@@ -120,10 +123,7 @@ def resolve_plan(module: nn.Module, plan: Mapping[str, Any], mesh: DeviceMesh) -
 def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     mesh = mesh if mesh is not None else current_mesh()
     if mesh is None:
-        raise MeshError(
-            "hca.sharded: no mesh given and none is current; call hca.init_mesh() first "
-            "or pass mesh=..."
-        )
+        raise MeshError("hca.sharded: no mesh given and none is current; call hca.init_mesh() first or pass mesh=...")
     if not isinstance(mesh, DeviceMesh):
         raise MeshError(f"hca.sharded: mesh={mesh!r} is not a DeviceMesh; build one with hca.init_mesh")
     if dist.is_initialized() and mesh.size() != dist.get_world_size():
@@ -217,7 +217,7 @@ def check_uneven(inputs: tuple[Layout | None, ...], outputs: Layout, params: Map
         return False
     if len(cuts) > 1:
         raise PlanError(f"hca.sharded: inputs are cut by different shares {sorted(cuts)}; use one set of shares")
-    (mesh_dim, shares), = cuts
+    ((mesh_dim, shares),) = cuts
     out = outputs[mesh_dim]
     if isinstance(out, Shard) and (mesh_dim, getattr(out, "shares", None)) not in cuts:
         raise PlanError(

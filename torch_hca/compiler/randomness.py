@@ -64,8 +64,10 @@ def without_dead_draws(backward: fx.GraphModule, what: str) -> fx.GraphModule:
         backward.graph.erase_node(node)
     read = [n.name for n in backward.graph.nodes if n.op == "call_function" and draws(n.target)]
     if read:
-        raise CheckError(f"{what}: the backward draws random numbers of its own ({', '.join(read)}), not the "
-                         "forward's masks; its gradients would be wrong. Please report this model")
+        raise CheckError(
+            f"{what}: the backward draws random numbers of its own ({', '.join(read)}), not the "
+            "forward's masks; its gradients would be wrong. Please report this model"
+        )
     if dead:
         backward.graph.eliminate_dead_code()
         backward.recompile()

@@ -73,7 +73,7 @@ def _scan(text: str):
 def _top_level(text: str, sep: str) -> list[str]:
     """``text`` cut at each ``sep`` outside brackets and strings."""
     cuts = [i for i, ch, depth in _scan(text) if ch == sep and depth == 0]
-    return [text[a + 1:b] for a, b in zip([-1, *cuts], [*cuts, len(text)])]
+    return [text[a + 1 : b] for a, b in zip([-1, *cuts], [*cuts, len(text)])]
 
 
 def _fit(line: str, width: int) -> list[str]:
@@ -83,17 +83,21 @@ def _fit(line: str, width: int) -> list[str]:
     indent = line[: len(line) - len(line.lstrip())]
     scanned = list(_scan(line))
     opening = next(((i, depth) for i, ch, depth in scanned if ch in "([{"), None)
-    end = None if opening is None else next(
-        (i for i, ch, depth in scanned if i > opening[0] and ch in ")]}" and depth == opening[1] + 1), None)
+    end = (
+        None
+        if opening is None
+        else next((i for i, ch, depth in scanned if i > opening[0] and ch in ")]}" and depth == opening[1] + 1), None)
+    )
     if end is None:  # no brackets (`a = b = None`): cut at spaces, continued with a backslash
-        cut = textwrap.wrap(line.strip(), width - 2, initial_indent=indent, subsequent_indent=indent + " " * 8,
-                            break_on_hyphens=False)
+        cut = textwrap.wrap(
+            line.strip(), width - 2, initial_indent=indent, subsequent_indent=indent + " " * 8, break_on_hyphens=False
+        )
         return [piece + " \\" for piece in cut[:-1]] + cut[-1:]
     start = opening[0]
-    inner = line[start + 1:end]
+    inner = line[start + 1 : end]
     items = [item.strip() for item in _top_level(inner, ",") if item.strip()]
     comma = "," if len(items) > 1 or inner.rstrip().endswith(",") else ""  # (x,) stays a tuple
-    lines = _fit(line[:start + 1], width)
+    lines = _fit(line[: start + 1], width)
     for item in items:
         lines += _fit(f"{indent}    {item}{comma}", width)
     return lines + _fit(indent + line[end:], width)
@@ -103,17 +107,17 @@ def _fit(line: str, width: int) -> list[str]:
 class CollectiveRecord:
     """One collective in the compiled forward or backward graph."""
 
-    kind: str          # collective_kinds.Kind value
-    group: str         # process group name
+    kind: str  # collective_kinds.Kind value
+    group: str  # process group name
     group_size: int
-    bytes: int         # the full logical buffer (payload)
+    bytes: int  # the full logical buffer (payload)
     wire_bytes: float  # bytes one rank sends in a ring implementation
-    direction: str     # "forward" or "backward"
-    node: str          # node name in the graph
+    direction: str  # "forward" or "backward"
+    node: str  # node name in the graph
     dtype: str
     shape: tuple[int, ...]
     partner: str | None = None  # the collective this one transposes
-    rule: str = ""              # why it is there
+    rule: str = ""  # why it is there
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -128,7 +132,7 @@ class Redistribution:
     src: str
     dst: str
     reason: str
-    costed: str = ""   # the collectives the layout solver charges for it, as kind@mesh dim
+    costed: str = ""  # the collectives the layout solver charges for it, as kind@mesh dim
     emitted: str = ""  # the forward collectives traced from it (the transpose pass reads their origin tags)
 
     def as_dict(self) -> dict[str, Any]:
@@ -182,7 +186,8 @@ class GraphReport:
     # Wall seconds of the compiled forward's and backward's recent calls after the first
     # (backends/pipeline.py times them; CPU meshes only), for `CompileReport.measured`.
     call_times: dict[str, collections.deque] = field(
-        default_factory=lambda: {w: collections.deque(maxlen=CALLS_KEPT) for w in ("forward", "backward")})
+        default_factory=lambda: {w: collections.deque(maxlen=CALLS_KEPT) for w in ("forward", "backward")}
+    )
     # The parameters the graph reads, by id, held weakly: ids of dead parameters
     # are reused by new ones, so a match must also be the same object.
     param_refs: dict[int, weakref.ref] = field(default_factory=dict)
@@ -252,9 +257,7 @@ class CompileReport:
 
     def collective_counts(self, direction: str | None = None) -> dict[str, int]:
         """``{kind: count}`` over every graph, for one direction or both."""
-        counts = collections.Counter(
-            c.kind for c in self.collectives if direction in (None, c.direction)
-        )
+        counts = collections.Counter(c.kind for c in self.collectives if direction in (None, c.direction))
         return dict(sorted(counts.items()))
 
     def table(self, width: int | None = None) -> str:
@@ -263,11 +266,21 @@ class CompileReport:
         rows = [head]
         for position, g in enumerate(self.graphs):  # position in this report, not the global index
             for c in g.collectives:
-                rows.append((
-                    str(position), c.direction[:3], c.kind, c.group, str(c.group_size),
-                    "x".join(map(str, c.shape)) or "scalar", dtype_str(c.dtype),
-                    str(c.bytes), _bytes_text(c.wire_bytes), c.partner or "-", c.rule,
-                ))
+                rows.append(
+                    (
+                        str(position),
+                        c.direction[:3],
+                        c.kind,
+                        c.group,
+                        str(c.group_size),
+                        "x".join(map(str, c.shape)) or "scalar",
+                        dtype_str(c.dtype),
+                        str(c.bytes),
+                        _bytes_text(c.wire_bytes),
+                        c.partner or "-",
+                        c.rule,
+                    )
+                )
         return _aligned(rows, width) if len(rows) > 1 else "(no collectives in the compiled graphs)"
 
     def moves(self) -> str:
@@ -275,8 +288,18 @@ class CompileReport:
         rows = [("graph", "node", "value", "src -> dst", "costed", "emitted", "reason")]
         for position, g in enumerate(self.graphs):
             named = lambda kinds: _mesh_dims_named(kinds, (g.mesh or {}).get("names") or [])
-            rows += [(str(position), r.node, _dotted(r.value), f"{r.src} -> {r.dst}", named(r.costed) or "-",
-                      named(r.emitted) or "-", r.reason) for r in g.redistributions]
+            rows += [
+                (
+                    str(position),
+                    r.node,
+                    _dotted(r.value),
+                    f"{r.src} -> {r.dst}",
+                    named(r.costed) or "-",
+                    named(r.emitted) or "-",
+                    r.reason,
+                )
+                for r in g.redistributions
+            ]
         return _aligned(rows, WIDTH) if len(rows) > 1 else "(no moves in the DTensor programs)"
 
     def partial_gradients(self) -> list[dict[str, Any]]:
@@ -294,10 +317,13 @@ class CompileReport:
         for name, p in module.named_parameters():
             g = p.grad
             if isinstance(g, DTensor) and partial_dims(g):
-                pending.append({
-                    "parameter": name, "placements": layout_str(g.placements),
-                    "bytes": nbytes(g),
-                })
+                pending.append(
+                    {
+                        "parameter": name,
+                        "placements": layout_str(g.placements),
+                        "bytes": nbytes(g),
+                    }
+                )
         return pending
 
     def strategy(self) -> dict[str, Any]:
@@ -374,26 +400,37 @@ class CompileReport:
         ``param_s`` per parameter), the host work around a call that the measure does not see.
         CPU meshes only: a CUDA call returns before its kernels finish (use torch.profiler there).
         """
-        timed = {(g.index, w): sorted(t) for g in self.graphs for w, t in g.call_times.items()
-                 if getattr(g, w) is not None}
+        timed = {
+            (g.index, w): sorted(t) for g in self.graphs for w, t in g.call_times.items() if getattr(g, w) is not None
+        }
         device = (self.graphs[0].mesh or {}).get("device_type", "cpu")
         if device != "cpu":
-            raise HCAError(f"hca.report(...).measured(): the mesh is on {device!r}, whose calls return before their "
-                           "kernels finish; profile a step with torch.profiler instead")
+            raise HCAError(
+                f"hca.report(...).measured(): the mesh is on {device!r}, whose calls return before their "
+                "kernels finish; profile a step with torch.profiler instead"
+            )
         if not timed:
-            raise HCAError("hca.report(...).measured(): no forward or backward graph was compiled (options "
-                           "inner='dtensor' runs the DTensor program eagerly); compile with inner='eager' or 'inductor'")
+            raise HCAError(
+                "hca.report(...).measured(): no forward or backward graph was compiled (options "
+                "inner='dtensor' runs the DTensor program eagerly); compile with inner='eager' or 'inductor'"
+            )
         untimed = [f"graph {i} {w}" for (i, w), t in timed.items() if not t]
         if untimed:
-            raise HCAError(f"hca.report(...).measured(): {', '.join(untimed)} has not run after its first call "
-                           "(the first compiles and checks); run a few training steps first")
+            raise HCAError(
+                f"hca.report(...).measured(): {', '.join(untimed)} has not run after its first call "
+                "(the first compiles and checks); run a few training steps first"
+            )
         measured = {key: t[len(t) // 2] for key, t in timed.items()}
         from torch_hca.report.timeline import CALL
 
         timeline = self.timeline().after
         predicted = timeline.total_s - sum(e.duration_s for e in timeline.events if e.name == CALL)
-        return StepMeasure(predicted, sum(measured.values()), min(len(t) for t in timed.values()),
-                           {f"graph{i}.{w}": s for (i, w), s in measured.items()})
+        return StepMeasure(
+            predicted,
+            sum(measured.values()),
+            min(len(t) for t in timed.values()),
+            {f"graph{i}.{w}": s for (i, w), s in measured.items()},
+        )
 
     def explain(self) -> str:
         """Why each value has its placement: shape, layout chosen, cost terms, and what it beat."""
@@ -403,17 +440,21 @@ class CompileReport:
             head = f"== graph {g.index}: layout by {lay.solver}"
             if lay.solved:
                 bound = lay.bound_s
-                head += (f", {lay.status}; objective {lay.objective_s * 1e6:.1f} us"
-                         f"{'' if bound is None else f', bound {bound * 1e6:.1f} us'}; "
-                         f"{lay.strategies} strategies, solved in {lay.seconds:.2f} s; "
-                         f"cost model: {lay.cost_model_source or '?'}")
+                head += (
+                    f", {lay.status}; objective {lay.objective_s * 1e6:.1f} us"
+                    f"{'' if bound is None else f', bound {bound * 1e6:.1f} us'}; "
+                    f"{lay.strategies} strategies, solved in {lay.seconds:.2f} s; "
+                    f"cost model: {lay.cost_model_source or '?'}"
+                )
             lines = [head + " =="]
             if g.tuning is not None:
                 lines.append(tuning_line(g.tuning))
             rows = lay.values
             if rows:
-                lines.append(f"{'value':<24} {'shape':<14} {'placement':<10} {'reads':<24} "
-                             f"{'compute':>9} {'fw comm':>9} {'bw comm':>9}  why")
+                lines.append(
+                    f"{'value':<24} {'shape':<14} {'placement':<10} {'reads':<24} "
+                    f"{'compute':>9} {'fw comm':>9} {'bw comm':>9}  why"
+                )
                 for r in rows:
                     lines.append(
                         f"{r['value'][:24]:<24} {str(tuple(r['shape'])):<14} {r['placement']:<10} "
@@ -441,8 +482,12 @@ class CompileReport:
         return "\n".join(sentence(g) for g in self.graphs)
 
     def __str__(self) -> str:
-        parts = ["== parallelism ==\n" + "\n".join(
-            textwrap.fill(line, WIDTH, subsequent_indent="    ") for line in self.parallelism().splitlines())]
+        parts = [
+            "== parallelism ==\n"
+            + "\n".join(
+                textwrap.fill(line, WIDTH, subsequent_indent="    ") for line in self.parallelism().splitlines()
+            )
+        ]
         for g in self.graphs:
             parts.append(f"== graph {g.index}: DTensor program ==\n{readable_code(g.dtensor_code)}")
         parts.append("== moves ==\n" + self.moves())
@@ -459,8 +504,8 @@ class StepMeasure:
     """`CompileReport.measured()`: a step's compiled graphs, predicted and on the clock."""
 
     predicted_s: float  # the scheduled timeline's forward + backward, less the host work around calls
-    measured_s: float   # the sum over the compiled graphs of each one's median call
-    calls: int          # calls timed per graph (the fewest of any graph)
+    measured_s: float  # the sum over the compiled graphs of each one's median call
+    calls: int  # calls timed per graph (the fewest of any graph)
     per_graph_s: dict[str, float]  # "graph0.forward" -> its median call
 
     @property
@@ -469,9 +514,11 @@ class StepMeasure:
         return self.predicted_s / self.measured_s - 1
 
     def __str__(self) -> str:
-        return (f"predicted {self.predicted_s * 1e3:.2f} ms vs measured {self.measured_s * 1e3:.2f} ms "
-                f"(median of {self.calls}+ calls per graph) for the compiled forward + backward: "
-                f"the cost model is off by {self.error:+.0%}")
+        return (
+            f"predicted {self.predicted_s * 1e3:.2f} ms vs measured {self.measured_s * 1e3:.2f} ms "
+            f"(median of {self.calls}+ calls per graph) for the compiled forward + backward: "
+            f"the cost model is off by {self.error:+.0%}"
+        )
 
 
 def tuning_line(tuning: dict[str, Any]) -> str:
@@ -479,11 +526,15 @@ def tuning_line(tuning: dict[str, Any]) -> str:
     failed = "".join(f"; not compiled: {f}" for f in tuning.get("failed", []))
     if len(tuning["candidates"]) == 1:
         return f"tuned: one program to run ({tuning['candidates'][0]['layout']}), nothing timed{failed}"
-    times = ", ".join(f"{c['layout']} {c['median_s'] * 1e3:.2f} ms"
-                      + ("" if c["predicted_s"] is None else f" (predicted {c['predicted_s'] * 1e3:.2f})")
-                      for c in tuning["candidates"])
-    return (f"tuned: kept {tuning['kept']} of {len(tuning['candidates'])} distinct layouts, by the slowest rank's "
-            f"median of {tuning['rounds']} forward + backward runs on the first call's inputs: {times}{failed}")
+    times = ", ".join(
+        f"{c['layout']} {c['median_s'] * 1e3:.2f} ms"
+        + ("" if c["predicted_s"] is None else f" (predicted {c['predicted_s'] * 1e3:.2f})")
+        for c in tuning["candidates"]
+    )
+    return (
+        f"tuned: kept {tuning['kept']} of {len(tuning['candidates'])} distinct layouts, by the slowest rank's "
+        f"median of {tuning['rounds']} forward + backward runs on the first call's inputs: {times}{failed}"
+    )
 
 
 def _aligned(rows: list[tuple[str, ...]], width: int | None) -> str:
@@ -505,7 +556,7 @@ def _dotted(name: str) -> str:
     """Dynamo's name of a module attribute as people write it: ``l_self_modules_fc2_parameters_bias_`` -> ``fc2.bias``."""
     if not name.startswith("l_self_"):
         return name
-    path = name[len("l_self_"):].rstrip("_")
+    path = name[len("l_self_") :].rstrip("_")
     for kind in ("modules", "parameters", "buffers"):  # "<kind>_" opens each step of the path
         path = re.sub(rf"(^|_){kind}_", lambda m: "." if m.group(1) else "", path)
     return path
@@ -537,7 +588,7 @@ def module_path(source: str) -> str:
     if steps[:2] == ["L", "self"] or steps[:1] == ["L"]:
         steps = steps[2:] if steps[1:2] == ["self"] else steps[1:]
     if "_hca_logical" in steps:  # hca.sharded's holder of the user's module (torch_hca.compiler.logical)
-        steps = steps[steps.index("_hca_logical") + 1:]
+        steps = steps[steps.index("_hca_logical") + 1 :]
         steps = steps[1:] if steps[:1] == ["inner"] else steps
     return ".".join(steps)
 
@@ -550,8 +601,9 @@ def _wrap_last_column(row: tuple[str, ...], widths: list[int], width: int) -> li
         text = _at_most(textwrap.wrap(row[-1], room, break_on_hyphens=False), room)
         return [prefix + text[0]] + [" " * len(prefix) + t for t in text[1:]]
     head = textwrap.wrap(prefix.rstrip(), width, subsequent_indent="    ")
-    return head + _at_most(textwrap.wrap(row[-1], width, initial_indent="    ", subsequent_indent="    ",
-                                         break_on_hyphens=False), width)
+    return head + _at_most(
+        textwrap.wrap(row[-1], width, initial_indent="    ", subsequent_indent="    ", break_on_hyphens=False), width
+    )
 
 
 CELL_LINES = 3  # a wrapped cell's most lines; the whole text is in to_json() and debug_dir's collectives.txt
@@ -562,7 +614,7 @@ def _at_most(lines: list[str], width: int, most: int = CELL_LINES) -> list[str]:
     if len(lines) <= most:
         return lines
     last = lines[most - 1]
-    return lines[:most - 1] + [(last if len(last) <= width - 3 else last[:width - 3].rstrip()) + "..."]
+    return lines[: most - 1] + [(last if len(last) <= width - 3 else last[: width - 3].rstrip()) + "..."]
 
 
 @dataclass
@@ -572,8 +624,10 @@ class StepTimelines:
 
     def summary(self) -> str:
         b, a = self.before, self.after
-        return (f"exposed communication {b.exposed_comm_s * 1e6:.1f} us -> {a.exposed_comm_s * 1e6:.1f} us; "
-                f"step {b.total_s * 1e6:.1f} us -> {a.total_s * 1e6:.1f} us (estimated)")
+        return (
+            f"exposed communication {b.exposed_comm_s * 1e6:.1f} us -> {a.exposed_comm_s * 1e6:.1f} us; "
+            f"step {b.total_s * 1e6:.1f} us -> {a.total_s * 1e6:.1f} us (estimated)"
+        )
 
 
 def report(compiled: Any = None) -> CompileReport:
@@ -589,9 +643,7 @@ def report(compiled: Any = None) -> CompileReport:
         return CompileReport([kept[-1]])
     module = getattr(compiled, "_orig_mod", compiled)
     if not isinstance(module, torch.nn.Module):
-        raise HCAError(
-            f"hca.report: expected the module torch.compile returned, got {type(compiled).__name__}"
-        )
+        raise HCAError(f"hca.report: expected the module torch.compile returned, got {type(compiled).__name__}")
     params = list(module.parameters())
     graphs = [g for g in _GRAPHS if g.dropped is None and g.reads_any(params)]
     if not graphs:

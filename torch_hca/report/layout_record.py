@@ -15,14 +15,14 @@ from typing import Any
 
 @dataclass
 class LayoutRecord:
-    solver: str = "?"                    # what chose the layouts: "milp (scipy HiGHS)", "none (...)", a strategy file
-    status: str | None = None            # the solver's: "optimal", "time limit", ...
-    objective_s: float | None = None     # the predicted step of the chosen layouts
-    bound_s: float | None = None         # the solver's lower bound on it
-    as_written_s: float | None = None    # the user's layouts kept, priced by the same model
-    strategies: int | None = None        # candidate strategies over every op
-    seconds: float | None = None         # solving
-    probe_seconds: float | None = None   # probing DTensor's rules for the candidates
+    solver: str = "?"  # what chose the layouts: "milp (scipy HiGHS)", "none (...)", a strategy file
+    status: str | None = None  # the solver's: "optimal", "time limit", ...
+    objective_s: float | None = None  # the predicted step of the chosen layouts
+    bound_s: float | None = None  # the solver's lower bound on it
+    as_written_s: float | None = None  # the user's layouts kept, priced by the same model
+    strategies: int | None = None  # candidate strategies over every op
+    seconds: float | None = None  # solving
+    probe_seconds: float | None = None  # probing DTensor's rules for the candidates
     replay_seconds: float | None = None  # replaying a strategy file's moves
     cost_model: dict[str, float] | None = None  # the figures it priced with (CostModel.as_dict())
     cost_model_source: str | None = None  # where they came from: defaults, a calibration, overrides

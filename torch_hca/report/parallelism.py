@@ -18,8 +18,14 @@ from typing import Any
 from torch_hca.spmd.placements import layout_texts, text_letter
 
 # A move on one mesh dimension, by its source and destination letters.
-_MOVE_NAMES = {("S", "R"): "gather", ("P", "R"): "sum", ("P", "S"): "reduce-scatter", ("S", "S"): "all-to-all",
-               ("R", "S"): "free chunk", ("R", "P"): "free"}
+_MOVE_NAMES = {
+    ("S", "R"): "gather",
+    ("P", "R"): "sum",
+    ("P", "S"): "reduce-scatter",
+    ("S", "S"): "all-to-all",
+    ("R", "S"): "free chunk",
+    ("R", "P"): "free",
+}
 
 
 # How the solver's record names a value the user passed in (torch_hca.compiler.layout.candidates).
@@ -53,8 +59,11 @@ def _split_share(rows: list[dict[str, Any]]) -> float | None:
     total = sum(r["compute_us"] for r in rows)
     if not total:
         return None
-    split = sum(r["compute_us"] for r in rows
-                if any(_letter(p) == "S" for lay in (r["placement"], *r["reads"]) for p in placements(lay)))
+    split = sum(
+        r["compute_us"]
+        for r in rows
+        if any(_letter(p) == "S" for lay in (r["placement"], *r["reads"]) for p in placements(lay))
+    )
     return split / total
 
 
@@ -102,8 +111,10 @@ def sentence(g: Any) -> str:
     parts = [f"graph {g.index}: {_label(sharded, share, moves)}: stored {stored}"]
     if g.uneven is not None:
         u = g.uneven
-        parts.append(f"batch cut by shares {u.text} over mesh dim {u.mesh_dim}, this rank {u.shares[u.coordinate]}/"
-                     f"{sum(u.shares)} of the rows")
+        parts.append(
+            f"batch cut by shares {u.text} over mesh dim {u.mesh_dim}, this rank {u.shares[u.coordinate]}/"
+            f"{sum(u.shares)} of the rows"
+        )
     if share is not None:
         parts.append(f"{share:.0%} of the compute split over {ranks} ranks")
         if not sharded and share > 0 and g.parameters:

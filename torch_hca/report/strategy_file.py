@@ -39,7 +39,9 @@ SOLVER_REASON = " reads it so ("  # passes/layout.py's reason for a move the sol
 def _target(node: fx.Node) -> str:
     t = node.target
     name = t if isinstance(t, str) else getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or str(t)
-    return re.sub(r" at 0x[0-9a-f]+", "", f"{getattr(t, '__module__', '') or ''}.{name}" if not isinstance(t, str) else t)
+    return re.sub(
+        r" at 0x[0-9a-f]+", "", f"{getattr(t, '__module__', '') or ''}.{name}" if not isinstance(t, str) else t
+    )
 
 
 def _arg_text(a: Any) -> str:
@@ -99,14 +101,20 @@ def _move_steps(src: list[str], dst: list[str], shape: list[int], dtype: str, me
         local //= math.prod(sizes[e] for e, p in enumerate(src) if e != d and p.startswith("S"))
         if kind is Kind.ALL_TO_ALL:
             local //= sizes[d]
-        steps.append({
-            "mesh_dim": d, "src": a, "dst": b, "kind": kind.value if kind else None,
-            "participants": dim_groups(mesh["ranks"], d),
-            "bytes": local if kind else 0,
-            "wire_bytes": bytes_per_rank(kind, local, sizes[d]) if kind else 0.0,
-            "transpose": RULES[kind].transpose.value if kind else None,
-            "collective": None, "backward": None,
-        })
+        steps.append(
+            {
+                "mesh_dim": d,
+                "src": a,
+                "dst": b,
+                "kind": kind.value if kind else None,
+                "participants": dim_groups(mesh["ranks"], d),
+                "bytes": local if kind else 0,
+                "wire_bytes": bytes_per_rank(kind, local, sizes[d]) if kind else 0.0,
+                "transpose": RULES[kind].transpose.value if kind else None,
+                "collective": None,
+                "backward": None,
+            }
+        )
     return steps
 
 
@@ -117,9 +125,14 @@ def _value_entry(node: fx.Node, kind: str) -> dict | None:
         meta = {"shape": list(v.shape), "dtype": dtype_str(v.dtype), "placements": layout_str(v.placements)}
     if meta is None:
         return None
-    return {"kind": kind, "op": _target(node) if node.op != "placeholder" else "placeholder",
-            "shape": list(meta["shape"]), "dtype": meta["dtype"], "placements": layout_texts(meta["placements"]),
-            "reads": []}
+    return {
+        "kind": kind,
+        "op": _target(node) if node.op != "placeholder" else "placeholder",
+        "shape": list(meta["shape"]),
+        "dtype": meta["dtype"],
+        "placements": layout_texts(meta["placements"]),
+        "reads": [],
+    }
 
 
 def _graph_entry(g: Any, mesh: dict) -> dict:
@@ -135,8 +148,11 @@ def _graph_entry(g: Any, mesh: dict) -> dict:
             src = node.args[0]
             outputs.append({"value": src.name, "placements": [_placement_text(p) for p in node.args[1]]})
             continue
-        kind = ("parameter" if node.name in inputs_of_params else "input") if node.op == "placeholder" else (
-            "move" if node.target is dtensor_ops.redistribute else "op")
+        kind = (
+            ("parameter" if node.name in inputs_of_params else "input")
+            if node.op == "placeholder"
+            else ("move" if node.target is dtensor_ops.redistribute else "op")
+        )
         entry = _value_entry(node, kind)
         if entry is None:
             continue
@@ -152,23 +168,47 @@ def _graph_entry(g: Any, mesh: dict) -> dict:
         node = next((n for n in program.graph.nodes if n.name == r.node), None)
         readers = [u.name for u in node.users] if node is not None else []
         value = values.get(r.value) or values.get(r.node) or {}
-        moves.append({
-            "node": r.node, "value": r.value, "src": layout_texts(r.src), "dst": layout_texts(r.dst),
-            "origin": "solver" if SOLVER_REASON in r.reason else (
-                "program" if r.reason == "explicit in the program" else "dtensor"),
-            "readers": readers,
-            "steps": _move_steps(layout_texts(r.src), layout_texts(r.dst), value.get("shape", []),
-                                 value.get("dtype", "float32"), mesh),
-        })
+        moves.append(
+            {
+                "node": r.node,
+                "value": r.value,
+                "src": layout_texts(r.src),
+                "dst": layout_texts(r.dst),
+                "origin": "solver"
+                if SOLVER_REASON in r.reason
+                else ("program" if r.reason == "explicit in the program" else "dtensor"),
+                "readers": readers,
+                "steps": _move_steps(
+                    layout_texts(r.src),
+                    layout_texts(r.dst),
+                    value.get("shape", []),
+                    value.get("dtype", "float32"),
+                    mesh,
+                ),
+            }
+        )
     _link(moves, collectives)
     groups: dict[str, dict] = {}
     for c in issued:  # one order per group: every rank of the group issues it (one SPMD program)
-        grp = groups.setdefault(c["group"], {"mesh_dim": c["mesh_dim"], "participants": (
-            dim_groups(mesh["ranks"], c["mesh_dim"]) if c["mesh_dim"] is not None else None),
-            "forward": [], "backward": []})
+        grp = groups.setdefault(
+            c["group"],
+            {
+                "mesh_dim": c["mesh_dim"],
+                "participants": (dim_groups(mesh["ranks"], c["mesh_dim"]) if c["mesh_dim"] is not None else None),
+                "forward": [],
+                "backward": [],
+            },
+        )
         grp[c["direction"]].append(c["id"])
-    return {"logical_digest": facts.get("logical_digest"), "values": values, "outputs": outputs, "moves": moves,
-            "collectives": collectives, "issued": issued, "groups": groups}
+    return {
+        "logical_digest": facts.get("logical_digest"),
+        "values": values,
+        "outputs": outputs,
+        "moves": moves,
+        "collectives": collectives,
+        "issued": issued,
+        "groups": groups,
+    }
 
 
 def _placement_text(p: Placement) -> str:
@@ -191,11 +231,18 @@ def _issued(g: Any, facts: dict) -> list[dict]:
     for c in g.collectives:
         node = nodes.get(c.direction, {}).get(c.node)
         members = list(node.meta.get(BUCKET_TAG) or []) if node is not None else []
-        out.append({
-            "id": f"{c.direction}:{c.node}", "direction": c.direction, "kind": c.kind, "group": c.group,
-            "mesh_dim": facts.get("groups", {}).get(c.group), "bytes": c.bytes, "wire_bytes": c.wire_bytes,
-            "members": [f"{c.direction}:{m}" for m in members] or [f"{c.direction}:{c.node}"],
-        })
+        out.append(
+            {
+                "id": f"{c.direction}:{c.node}",
+                "direction": c.direction,
+                "kind": c.kind,
+                "group": c.group,
+                "mesh_dim": facts.get("groups", {}).get(c.group),
+                "bytes": c.bytes,
+                "wire_bytes": c.wire_bytes,
+                "members": [f"{c.direction}:{m}" for m in members] or [f"{c.direction}:{c.node}"],
+            }
+        )
     return out
 
 
@@ -216,14 +263,23 @@ def _collectives(g: Any, facts: dict, issued: list[dict]) -> list[dict]:
         n = group_size(group)
         partner = node.meta.get(PARTNER_TAG)
         other = "backward" if which == "forward" else "forward"
-        out.append({
-            "id": f"{which}:{node.name}", "direction": which, "kind": node_kind(node).value, "group": group,
-            "mesh_dim": facts.get("groups", {}).get(group), "group_size": n, "bytes": payload,
-            "wire_bytes": bytes_per_rank(node_kind(node), payload, n), "dtype": dtype_str(vals[0].dtype),
-            "shape": list(vals[0].shape), "origin": origin_of(node),
-            "partner": f"{other}:{partner}" if isinstance(partner, str) and "," not in partner else None,
-            "issued_as": issued_as[f"{which}:{node.name}"],
-        })
+        out.append(
+            {
+                "id": f"{which}:{node.name}",
+                "direction": which,
+                "kind": node_kind(node).value,
+                "group": group,
+                "mesh_dim": facts.get("groups", {}).get(group),
+                "group_size": n,
+                "bytes": payload,
+                "wire_bytes": bytes_per_rank(node_kind(node), payload, n),
+                "dtype": dtype_str(vals[0].dtype),
+                "shape": list(vals[0].shape),
+                "origin": origin_of(node),
+                "partner": f"{other}:{partner}" if isinstance(partner, str) and "," not in partner else None,
+                "issued_as": issued_as[f"{which}:{node.name}"],
+            }
+        )
     return out
 
 
@@ -233,8 +289,17 @@ def _link(moves: list[dict], collectives: list[dict]) -> None:
     taken = set()
     for m in moves:
         for step in m["steps"]:
-            fw = next((c for c in collectives if c["direction"] == "forward" and c["origin"] == m["node"]
-                       and c["mesh_dim"] == step["mesh_dim"] and c["id"] not in taken), None)
+            fw = next(
+                (
+                    c
+                    for c in collectives
+                    if c["direction"] == "forward"
+                    and c["origin"] == m["node"]
+                    and c["mesh_dim"] == step["mesh_dim"]
+                    and c["id"] not in taken
+                ),
+                None,
+            )
             if fw is None:
                 continue
             taken.add(fw["id"])
@@ -255,23 +320,34 @@ def build(rep: Any) -> dict:
 
     graphs = [g for g in rep.graphs if g.dtensor_program is not None]
     if not graphs or any(g.layout.strategy_facts is None for g in graphs):
-        raise StrategyError("save_strategy: no laid-out graph in this report (options inner='dtensor' and "
-                            "layout='solve' or 'as_written' all lay one out); compile and call the module once first")
+        raise StrategyError(
+            "save_strategy: no laid-out graph in this report (options inner='dtensor' and "
+            "layout='solve' or 'as_written' all lay one out); compile and call the module once first"
+        )
     first = graphs[0]
     facts = first.layout.strategy_facts
-    mesh = {"shape": list(first.mesh["shape"]), "dim_names": list(first.mesh.get("names") or []) or None,
-            "device_type": first.mesh.get("device_type"), "ranks": facts["mesh_ranks"]}
+    mesh = {
+        "shape": list(first.mesh["shape"]),
+        "dim_names": list(first.mesh.get("names") or []) or None,
+        "device_type": first.mesh.get("device_type"),
+        "ranks": facts["mesh_ranks"],
+    }
     parameters = {}
     for g in graphs:
         for name, p in g.parameters.items():
             parameters[name] = {"shape": p["shape"], "dtype": p["dtype"], "placements": layout_texts(p["placements"])}
-    model = {"graph_digests": [g.layout.strategy_facts["logical_digest"] for g in graphs],
-             "parameters": dict(sorted(parameters.items()))}
+    model = {
+        "graph_digests": [g.layout.strategy_facts["logical_digest"] for g in graphs],
+        "parameters": dict(sorted(parameters.items())),
+    }
     model["digest"] = model_digest(model)
     return {
-        "schema": SCHEMA, "version": VERSION,
+        "schema": SCHEMA,
+        "version": VERSION,
         "made_by": {"torch_hca": torch_hca.__version__, "torch": torch.__version__},
-        "mesh": mesh, "world_size": math.prod(mesh["shape"]), "model": model,
+        "mesh": mesh,
+        "world_size": math.prod(mesh["shape"]),
+        "model": model,
         "graphs": [_graph_entry(g, mesh) for g in graphs],
     }
 

@@ -22,8 +22,15 @@ from torch_hca.report.strategy_file import SCHEMA, VERSION, model_digest
 from torch_hca.spmd.placements import layout_texts
 
 _TOP = {"schema": str, "version": int, "made_by": dict, "mesh": dict, "world_size": int, "model": dict, "graphs": list}
-_GRAPH = {"logical_digest": str, "values": dict, "outputs": list, "moves": list, "collectives": list, "issued": list,
-          "groups": dict}
+_GRAPH = {
+    "logical_digest": str,
+    "values": dict,
+    "outputs": list,
+    "moves": list,
+    "collectives": list,
+    "issued": list,
+    "groups": dict,
+}
 
 
 def load(source: str | os.PathLike | dict) -> dict:
@@ -36,21 +43,28 @@ def load(source: str | os.PathLike | dict) -> dict:
             with open(source) as f:
                 data = json.load(f)
         except OSError as e:
-            raise StrategyError(f"{where}: cannot read it ({e.strerror}); "
-                                "write one with hca.report(compiled).save_strategy(path)") from e
+            raise StrategyError(
+                f"{where}: cannot read it ({e.strerror}); write one with hca.report(compiled).save_strategy(path)"
+            ) from e
         except json.JSONDecodeError as e:
-            raise StrategyError(f"{where}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}): truncated or "
-                                "hand-edited? Save it again with hca.report(compiled).save_strategy(path)") from e
+            raise StrategyError(
+                f"{where}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}): truncated or "
+                "hand-edited? Save it again with hca.report(compiled).save_strategy(path)"
+            ) from e
     structure_problem = _structure(data)
     if structure_problem:
-        raise StrategyError(f"{where}: {structure_problem}; save it again with hca.report(compiled).save_strategy(path)")
+        raise StrategyError(
+            f"{where}: {structure_problem}; save it again with hca.report(compiled).save_strategy(path)"
+        )
     return data
 
 
 def _structure(data: Any) -> str | None:
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        return f"not a torch_hca strategy (its 'schema' is {data.get('schema') if isinstance(data, dict) else data!r}, " \
-               f"not {SCHEMA!r})"
+        return (
+            f"not a torch_hca strategy (its 'schema' is {data.get('schema') if isinstance(data, dict) else data!r}, "
+            f"not {SCHEMA!r})"
+        )
     if data.get("version") != VERSION:
         return f"schema version {data.get('version')!r}, and this torch_hca reads version {VERSION} only"
     for key, typ in _TOP.items():
@@ -72,8 +86,10 @@ def match_graph(data: dict, facts: dict, mesh_shape: list[int], parameters: dict
     world = math.prod(mesh_shape)
 
     def differ(what: str, says: Any, here: Any) -> StrategyError:
-        return StrategyError(f"strategy file: made for another {what}: the file says {says}, this compile has {here} "
-                             f"({graph}); save a strategy for this model, mesh and world size, or leave the option out")
+        return StrategyError(
+            f"strategy file: made for another {what}: the file says {says}, this compile has {here} "
+            f"({graph}); save a strategy for this model, mesh and world size, or leave the option out"
+        )
 
     if data["world_size"] != world:
         raise differ("world size", data["world_size"], world)
@@ -91,16 +107,22 @@ def match_graph(data: dict, facts: dict, mesh_shape: list[int], parameters: dict
                 raise differ("model", f"parameter {name!r} {key} {known[name][key]}", f"{mine[key]}")
     entry = next((g for g in data["graphs"] if g["logical_digest"] == facts["logical_digest"]), None)
     if entry is None:
-        raise differ("model", f"logical graph digest(s) {', '.join(g['logical_digest'] for g in data['graphs'])}",
-                     f"{facts['logical_digest']} (the forward's code, an input's shape or dtype differs)")
+        raise differ(
+            "model",
+            f"logical graph digest(s) {', '.join(g['logical_digest'] for g in data['graphs'])}",
+            f"{facts['logical_digest']} (the forward's code, an input's shape or dtype differs)",
+        )
     return entry
 
 
 def moves_to_replay(entry: dict) -> list[tuple[str, tuple[Placement, ...], tuple[Placement, ...], list[str]]]:
     """(value, source layout, destination layout, readers) of each move the solver chose, in the file's order."""
     layout = lambda texts: tuple(parse_placement(p) for p in texts)
-    return [(m["value"], layout(m["src"]), layout(m["dst"]), list(m["readers"]))
-            for m in entry["moves"] if m["origin"] == "solver"]
+    return [
+        (m["value"], layout(m["src"]), layout(m["dst"]), list(m["readers"]))
+        for m in entry["moves"]
+        if m["origin"] == "solver"
+    ]
 
 
 def check_replayed(entry: dict, values: dict[str, dict], redistributions: list, graph: str) -> None:
@@ -108,12 +130,16 @@ def check_replayed(entry: dict, values: dict[str, dict], redistributions: list, 
     for name, meta in values.items():
         said = entry["values"].get(name)
         if said is None:
-            raise StrategyError(f"strategy file: {graph}: value {name!r} {meta['placements']} is not in the file "
-                                "(the file does not lay this program out)")
+            raise StrategyError(
+                f"strategy file: {graph}: value {name!r} {meta['placements']} is not in the file "
+                "(the file does not lay this program out)"
+            )
         here = layout_texts(meta["placements"])
         if said["placements"] != here:
-            raise StrategyError(f"strategy file: {graph}: value {name!r} is {said['placements']} in the file, "
-                                f"{here} after replaying its moves (hand-edited, or another torch)")
+            raise StrategyError(
+                f"strategy file: {graph}: value {name!r} is {said['placements']} in the file, "
+                f"{here} after replaying its moves (hand-edited, or another torch)"
+            )
     mine = [(r.node, r.value, layout_texts(r.src), layout_texts(r.dst)) for r in redistributions]
     theirs = [(m["node"], m["value"], m["src"], m["dst"]) for m in entry["moves"]]
     if mine != theirs:

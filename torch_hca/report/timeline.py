@@ -79,13 +79,13 @@ class Event:
 @dataclass
 class Timeline:
     events: list[Event]
-    total_s: float          # end of the last event
-    compute_s: float        # the compute lane's work at full speed
-    comm_s: float           # sum of communication durations
-    exposed_comm_s: float   # total_s - compute_s: time communication adds (waits, contention)
+    total_s: float  # end of the last event
+    compute_s: float  # the compute lane's work at full speed
+    comm_s: float  # sum of communication durations
+    exposed_comm_s: float  # total_s - compute_s: time communication adds (waits, contention)
 
     def lanes(self) -> list[str]:
-        """"compute" first, then the communication lanes in the order they were first used."""
+        """ "compute" first, then the communication lanes in the order they were first used."""
         comm = [e.lane for e in self.events if e.lane != COMPUTE]
         return [COMPUTE, *dict.fromkeys(comm)]
 
@@ -97,8 +97,16 @@ class Timeline:
             names.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": lane}})
             names.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": tid, "args": {"sort_index": tid}})
         spans = [
-            {"name": e.name, "cat": e.graph, "ph": "X", "pid": 0, "tid": tids[e.lane],
-             "ts": e.start_s * 1e6, "dur": e.duration_s * 1e6, "args": {"node": e.node, "graph": e.graph}}
+            {
+                "name": e.name,
+                "cat": e.graph,
+                "ph": "X",
+                "pid": 0,
+                "tid": tids[e.lane],
+                "ts": e.start_s * 1e6,
+                "dur": e.duration_s * 1e6,
+                "args": {"node": e.node, "graph": e.graph},
+            }
             for e in self.events
         ]
         return {"traceEvents": names + spans, "displayTimeUnit": "ms"}
@@ -121,8 +129,13 @@ class Timeline:
         ax = fig.subplots()
         for row, lane in enumerate(lanes):
             mine = [e for e in self.events if e.lane == lane]
-            ax.broken_barh([(e.start_s * 1e3, e.duration_s * 1e3) for e in mine], (row - 0.4, 0.8),
-                           facecolors=[colours[e.graph] for e in mine], edgecolor="white", linewidth=0.3)
+            ax.broken_barh(
+                [(e.start_s * 1e3, e.duration_s * 1e3) for e in mine],
+                (row - 0.4, 0.8),
+                facecolors=[colours[e.graph] for e in mine],
+                edgecolor="white",
+                linewidth=0.3,
+            )
         ax.set_yticks(range(len(lanes)), labels=lanes)
         ax.invert_yaxis()
         ax.set_xlabel("time (ms)")
@@ -150,6 +163,7 @@ def _duration(s: float) -> str:
 
 # ------------------------------------------------------------- op costs
 
+
 def _tensors(value) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
@@ -175,6 +189,7 @@ def _smallest_matmul_dim(op: torch._ops.OpOverload, args, out) -> float | None:
 
 
 # ------------------------------------------------------------ the player
+
 
 class _Player:
     """The clocks: the compute lane's time, each group lane's free time, each collective's end."""

@@ -30,7 +30,9 @@ _previous: dict[str, str] = {}
 
 def first_difference(mine: list[str], theirs: list[str], missing: str) -> tuple[int, str, str]:
     """(index, our line, their line) of the first place two ranks' posted lines differ; `missing` past an end."""
-    i = next(i for i in range(max(len(mine), len(theirs))) if i >= len(mine) or i >= len(theirs) or mine[i] != theirs[i])
+    i = next(
+        i for i in range(max(len(mine), len(theirs))) if i >= len(mine) or i >= len(theirs) or mine[i] != theirs[i]
+    )
     return i, mine[i] if i < len(mine) else missing, theirs[i] if i < len(theirs) else missing
 
 

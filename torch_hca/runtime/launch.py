@@ -103,12 +103,17 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, _KEPT_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _KEPT_BYTES))
 
 
-def _worker_main(rank: int, world_size: int, port: int, conn, timeout_s: float, parent: tuple[int, bool],
-                 crash_log: str) -> None:
+def _worker_main(
+    rank: int, world_size: int, port: int, conn, timeout_s: float, parent: tuple[int, bool], crash_log: str
+) -> None:
     _die_with_parent(*parent)
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR=LOOPBACK,
+        MASTER_PORT=str(port),
         GLOO_SOCKET_IFNAME=_loopback_interface(),
     )
     import faulthandler
@@ -214,7 +219,11 @@ class LocalWorld:
         self._listener.listen(64)
         port = self._listener.getsockname()[1]
         self._store = dist.TCPStore(
-            LOOPBACK, port, None, is_master=True, wait_for_workers=False,
+            LOOPBACK,
+            port,
+            None,
+            is_master=True,
+            wait_for_workers=False,
             master_listen_fd=self._listener.fileno(),
             timeout=datetime.timedelta(seconds=self.timeout_s),
         )
@@ -301,11 +310,15 @@ class LocalWorld:
             if waiting:
                 text += f"\n(ranks {waiting} were still at work and were stopped)"
             raise RankError(rank, kind, text)
-        raise RankError(waiting[0], "a timeout", (
-            f"rank(s) {waiting} did not finish within the run's deadline of {timeout_s:.0f} s "
-            f"(LocalWorld.run(timeout_s=...); finished: {sorted(results)}); their Python stacks "
-            "were written to stderr"
-        ))
+        raise RankError(
+            waiting[0],
+            "a timeout",
+            (
+                f"rank(s) {waiting} did not finish within the run's deadline of {timeout_s:.0f} s "
+                f"(LocalWorld.run(timeout_s=...); finished: {sorted(results)}); their Python stacks "
+                "were written to stderr"
+            ),
+        )
 
     def _dump_stacks(self, ranks) -> None:
         for rank in ranks:

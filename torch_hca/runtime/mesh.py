@@ -32,9 +32,7 @@ def backend_for(device_type: str) -> str:
     try:
         return _BACKENDS[device_type]
     except (KeyError, TypeError):
-        raise MeshError(
-            f"init_mesh: unknown device {device_type!r}; use 'cpu' or 'cuda'"
-        ) from None
+        raise MeshError(f"init_mesh: unknown device {device_type!r}; use 'cpu' or 'cuda'") from None
 
 
 def check_timeout(value, where: str) -> float:
@@ -108,9 +106,7 @@ def _shape(shape) -> tuple | None:
         shape = (shape,)
     dims = tuple(shape) if isinstance(shape, Sequence) and not isinstance(shape, str) else ()
     if not dims or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in dims):
-        raise MeshError(
-            f"init_mesh: shape {shape!r} must be positive integers, e.g. init_mesh((2, 2)) or init_mesh(4)"
-        )
+        raise MeshError(f"init_mesh: shape {shape!r} must be positive integers, e.g. init_mesh((2, 2)) or init_mesh(4)")
     return dims
 
 
@@ -129,10 +125,7 @@ def _names(names, shape: tuple | None) -> tuple | None:
             "give one name per mesh dimension"
         )
     if not all(isinstance(n, str) and n for n in names):
-        raise MeshError(
-            f"init_mesh: mesh dimension names {names} must be non-empty strings, "
-            "e.g. ('dp', 'tp')"
-        )
+        raise MeshError(f"init_mesh: mesh dimension names {names} must be non-empty strings, e.g. ('dp', 'tp')")
     if len(set(names)) != len(names):
         raise MeshError(f"init_mesh: mesh dimension names {names} must be distinct")
     return names

@@ -46,15 +46,20 @@ class Calibration(dict):
     its fastest (0.5: 50% slower).
     """
 
-    def __init__(self, figures: Mapping[str, float], measured_at: str | None = None, noisy: bool = False,
-                 spread: Mapping[str, float] | None = None):
+    def __init__(
+        self,
+        figures: Mapping[str, float],
+        measured_at: str | None = None,
+        noisy: bool = False,
+        spread: Mapping[str, float] | None = None,
+    ):
         super().__init__(figures)
         self.measured_at = measured_at or now_utc()
         self.noisy = bool(noisy)
         self.spread = dict(spread or {})
 
     def describe(self) -> str:
-        """"calibrated 2026-12-03 06:10 UTC", with ", noisy" where it was."""
+        """ "calibrated 2026-12-03 06:10 UTC", with ", noisy" where it was."""
         return f"calibrated {when(self.measured_at)}" + (", noisy" if self.noisy else "")
 
     def __repr__(self) -> str:
@@ -92,12 +97,13 @@ def calibration_key(world_size: int | None = None, backend: str | None = None) -
 
     if world_size is None or backend is None:
         if not dist.is_initialized():
-            raise HCAError("calibration cache: no process group to read the world size and backend from; "
-                           "pass world_size= and backend= (e.g. 2, 'gloo') or call hca.init_mesh() first")
+            raise HCAError(
+                "calibration cache: no process group to read the world size and backend from; "
+                "pass world_size= and backend= (e.g. 2, 'gloo') or call hca.init_mesh() first"
+            )
         world_size = dist.get_world_size() if world_size is None else world_size
         backend = str(dist.get_backend()) if backend is None else backend
-    return {"host": socket.gethostname(), "world_size": int(world_size), "backend": backend,
-            "torch": torch.__version__}
+    return {"host": socket.gethostname(), "world_size": int(world_size), "backend": backend, "torch": torch.__version__}
 
 
 def _read_entries(path: Path) -> list[dict]:
@@ -111,8 +117,11 @@ def _read_entries(path: Path) -> list[dict]:
     except FileNotFoundError:
         return []
     except (OSError, ValueError, KeyError, TypeError) as e:
-        warnings.warn(f"torch_hca: ignoring the calibration cache {path} ({type(e).__name__}: {e}); "
-                      "hca.calibrate(cache=True, refresh=True) measures again and rewrites it", stacklevel=3)
+        warnings.warn(
+            f"torch_hca: ignoring the calibration cache {path} ({type(e).__name__}: {e}); "
+            "hca.calibrate(cache=True, refresh=True) measures again and rewrites it",
+            stacklevel=3,
+        )
         return []
 
 
@@ -142,20 +151,26 @@ def cached_calibration(world_size: int | None = None, backend: str | None = None
     try:
         figures = _valid_figures(entry.get("figures"))
     except (ValueError, HCAError) as e:
-        warnings.warn(f"torch_hca: ignoring a calibration cache entry in {path} ({e}); "
-                      "hca.calibrate(cache=True, refresh=True) measures it again", stacklevel=2)
+        warnings.warn(
+            f"torch_hca: ignoring a calibration cache entry in {path} ({e}); "
+            "hca.calibrate(cache=True, refresh=True) measures it again",
+            stacklevel=2,
+        )
         return None
     spread = entry.get("spread")
-    return Calibration(figures, str(entry.get("measured_at", "?")), entry.get("noisy") is True,
-                       spread if isinstance(spread, dict) else None)
+    return Calibration(
+        figures,
+        str(entry.get("measured_at", "?")),
+        entry.get("noisy") is True,
+        spread if isinstance(spread, dict) else None,
+    )
 
 
 def _entry(entries: list[dict], key: Mapping[str, Any]) -> dict | None:
     return next((e for e in entries if all(e.get(k) == key[k] for k in _KEY)), None)
 
 
-def store_calibration(figures: Mapping[str, float], world_size: int | None = None,
-                      backend: str | None = None) -> Path:
+def store_calibration(figures: Mapping[str, float], world_size: int | None = None, backend: str | None = None) -> Path:
     """Keep `figures` as this key's entry (replacing an older one); returns the file's path.
 
     A `Calibration` keeps its time, noise flag and spreads; other figures are stored as quiet,
@@ -171,13 +186,17 @@ def store_calibration(figures: Mapping[str, float], world_size: int | None = Non
     entries = _read_entries(path)
     old = _entry(entries, key)
     if meta.noisy and old is not None and old.get("noisy") is not True:
-        warnings.warn(f"torch_hca: a noisy calibration ({meta.describe()}) did not replace the quiet one of "
-                      f"{when(str(old.get('measured_at', '?')))} in {path}; measure again on a quiet machine "
-                      "(hca.calibrate(refresh=True))", stacklevel=2)
+        warnings.warn(
+            f"torch_hca: a noisy calibration ({meta.describe()}) did not replace the quiet one of "
+            f"{when(str(old.get('measured_at', '?')))} in {path}; measure again on a quiet machine "
+            "(hca.calibrate(refresh=True))",
+            stacklevel=2,
+        )
         return path
     kept = [e for e in entries if e is not old]
-    kept.append({**key, "figures": figures, "measured_at": meta.measured_at, "noisy": meta.noisy,
-                 "spread": meta.spread})
+    kept.append(
+        {**key, "figures": figures, "measured_at": meta.measured_at, "noisy": meta.noisy, "spread": meta.spread}
+    )
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=CACHE_FILE, dir=folder)
     with os.fdopen(fd, "w") as f:

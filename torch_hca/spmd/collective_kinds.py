@@ -70,11 +70,11 @@ def _same(params: dict) -> dict:
 @dataclass(frozen=True)
 class KindRule:
     kind: Kind
-    placements: str          # "src -> dst"
-    transpose: Kind          # the physical adjoint, itself a kind of this table
+    placements: str  # "src -> dst"
+    transpose: Kind  # the physical adjoint, itself a kind of this table
     wire_bytes: Callable[[int, int], float]  # (payload S, group size n) -> bytes per rank
     emit: Callable[..., Tensor]  # (x, group_name, **params) -> Tensor, waited
-    ops: tuple = ()          # the _c10d_functional ops `emit` issues, each followed by one wait
+    ops: tuple = ()  # the _c10d_functional ops `emit` issues, each followed by one wait
     transpose_params: Callable[[dict], dict] = _same  # params of A -> params of A^T
 
     @property
@@ -133,6 +133,7 @@ def _free(s: int, n: int) -> float:
 
 # ---------------------------------------------------------------- helpers
 
+
 def _wait(t: Tensor) -> Tensor:
     return c10d.wait_tensor(t)
 
@@ -171,6 +172,7 @@ def _resized(x: Tensor, dim: int, size: int) -> list[int]:
 
 
 # ------------------------------------------------------------- the kinds
+
 
 # broadcast: R(root) -> R         transpose: reduce (sum to root) R -> P(root)
 @_kind(Kind.BROADCAST, "R(root) -> R", Kind.REDUCE, _ring_once, ops=(c10d.broadcast.default,))
@@ -212,8 +214,14 @@ def _weight_moves(params: dict) -> dict:
     return {**params, "after": not params.get("after", False)}
 
 
-@_kind(Kind.WEIGHTED_ALL_REDUCE, "P -> R (weighted)", Kind.WEIGHTED_ALL_REDUCE, _ring_twice,
-       ops=(c10d.all_reduce.default,), transpose_params=_weight_moves)
+@_kind(
+    Kind.WEIGHTED_ALL_REDUCE,
+    "P -> R (weighted)",
+    Kind.WEIGHTED_ALL_REDUCE,
+    _ring_twice,
+    ops=(c10d.all_reduce.default,),
+    transpose_params=_weight_moves,
+)
 def _weighted_all_reduce(x, group_name, rank, n, *, weights=None, after=False):
     """The sum over the group of each rank's piece times ``weights[rank]`` (``after``: the sum,
     times this rank's weight: the transpose, which hands each rank its weighted cotangent)."""
@@ -247,8 +255,14 @@ def _swap_dims(params: dict) -> dict:
 
 
 # all_to_all: S(a) -> S(b)        transpose: all_to_all S(b) -> S(a)
-@_kind(Kind.ALL_TO_ALL, "S(a) -> S(b)", Kind.ALL_TO_ALL, _ring_once,
-       ops=(c10d.all_to_all_single.default,), transpose_params=_swap_dims)
+@_kind(
+    Kind.ALL_TO_ALL,
+    "S(a) -> S(b)",
+    Kind.ALL_TO_ALL,
+    _ring_once,
+    ops=(c10d.all_to_all_single.default,),
+    transpose_params=_swap_dims,
+)
 def _all_to_all(x, group_name, rank, n, *, src_dim, dst_dim):
     """Trade a shard along `src_dim` for a shard along `dst_dim`."""
     a, b = _dim(x, src_dim, "all_to_all"), _dim(x, dst_dim, "all_to_all")
@@ -279,8 +293,9 @@ def _destination(rank: int, n: int, shift: int, perm) -> tuple[int, int]:
 # permute: V -> V, rank r's buffer to rank perm[r] (ring shift k: r + k)
 #                                 transpose: the inverse permutation (shift -k)
 # Emitted as all_to_all_single whose split sizes send the whole buffer to one peer.
-@_kind(Kind.PERMUTE, "V -> V", Kind.PERMUTE, _whole,
-       ops=(c10d.all_to_all_single.default,), transpose_params=_inverse_route)
+@_kind(
+    Kind.PERMUTE, "V -> V", Kind.PERMUTE, _whole, ops=(c10d.all_to_all_single.default,), transpose_params=_inverse_route
+)
 def _permute(x, group_name, rank, n, *, shift=0, perm=None):
     """Send this rank's buffer to rank ``perm[rank]`` (or ``rank + shift`` mod n)."""
     dest, source = _destination(rank, n, shift, perm)
@@ -315,7 +330,7 @@ def _gather(x, group_name, rank, n, *, index, dim=0, length=None):
     """``x.index_select(dim, index)``; an n-d index replaces `dim` by its shape (embedding)."""
     dim = _dim(x, dim, "gather")
     rows = x.index_select(dim, index.reshape(-1))
-    return rows.reshape(x.shape[:dim] + index.shape + x.shape[dim + 1:])
+    return rows.reshape(x.shape[:dim] + index.shape + x.shape[dim + 1 :])
 
 
 # index_add: scatter-add rows into zeros of length `length`   transpose: gather  (no communication)
@@ -324,7 +339,7 @@ def _index_add(x, group_name, rank, n, *, index, length, dim=0):
     """Zeros of length `length` along `dim`, with row ``i`` of `x` added at ``index[i]``."""
     # `dim` counts in the result (the tensor gathered from), where the index's dims are one.
     dim = _dim(x, dim, "index_add", ndim=x.dim() - index.dim() + 1)
-    x = x.reshape(x.shape[:dim] + (index.numel(),) + x.shape[dim + index.dim():])
+    x = x.reshape(x.shape[:dim] + (index.numel(),) + x.shape[dim + index.dim() :])
     return x.new_zeros(_resized(x, dim, length)).index_add(dim, index.reshape(-1), x)
 
 
@@ -375,6 +390,7 @@ def emit_transpose(kind: Kind, y: Tensor, group_name: str, **params: Any) -> Ten
 # each a letter: R, P or S<d>. The layout solver costs a move's forward and
 # backward from these functions and the transpose pass checks a backward
 # collective against them: one definition of what a move sends and owes.
+
 
 def cotangent_letter(p, varying: bool = False) -> str:
     """The placement of the cotangent of a value laid out as `p`, as its consumers hand it back.

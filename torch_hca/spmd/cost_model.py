@@ -143,9 +143,14 @@ class CostModel:
         """This model with every collective `factor` times as slow (latencies times it, rates
         over it) and compute as it is: the machine as a calibration off by `factor` would see it."""
         return dataclasses.replace(
-            self, launch_s=self.launch_s * factor, alpha_s=self.alpha_s * factor, sync_s=self.sync_s * factor,
-            bytes_per_s=self.bytes_per_s / factor, gather_bytes_per_s=self.gather_bytes_per_s / factor,
-            scatter_bytes_per_s=self.scatter_bytes_per_s / factor)
+            self,
+            launch_s=self.launch_s * factor,
+            alpha_s=self.alpha_s * factor,
+            sync_s=self.sync_s * factor,
+            bytes_per_s=self.bytes_per_s / factor,
+            gather_bytes_per_s=self.gather_bytes_per_s / factor,
+            scatter_bytes_per_s=self.scatter_bytes_per_s / factor,
+        )
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -160,10 +165,18 @@ def smallest_matmul_dim(first: Sequence[int], out: Sequence[int], against_weight
 
 
 DEFAULTS: dict[str, CostModel] = {
-    "gloo": CostModel(launch_s=50e-6, alpha_s=20e-6, bytes_per_s=1e9, flops_per_s=20e9, memory_bytes_per_s=10e9,
-                      op_s=5e-6, scatter_bytes_per_s=0.5e9),  # an all_reduce: twice the ring's wire bytes
-    "nccl": CostModel(launch_s=10e-6, alpha_s=5e-6, bytes_per_s=50e9, flops_per_s=50e12, memory_bytes_per_s=3e12,
-                      op_s=5e-6),
+    "gloo": CostModel(
+        launch_s=50e-6,
+        alpha_s=20e-6,
+        bytes_per_s=1e9,
+        flops_per_s=20e9,
+        memory_bytes_per_s=10e9,
+        op_s=5e-6,
+        scatter_bytes_per_s=0.5e9,
+    ),  # an all_reduce: twice the ring's wire bytes
+    "nccl": CostModel(
+        launch_s=10e-6, alpha_s=5e-6, bytes_per_s=50e9, flops_per_s=50e12, memory_bytes_per_s=3e12, op_s=5e-6
+    ),
 }
 
 
@@ -196,15 +209,33 @@ def with_overrides(model: CostModel, overrides: Mapping[str, Any] | None) -> Cos
         raise OptionsError(f"options['cost_model']: unknown field(s) {unknown}; the fields are {sorted(fields)}")
     for key, value in overrides.items():
         # Latencies may be 0, and the kinds' own rates (0: bytes_per_s); other rates may not.
-        may_be_zero = key in ("launch_s", "alpha_s", "op_s", "sync_s", "call_s", "param_s", "gather_bytes_per_s",
-                              "scatter_bytes_per_s", "contention", "matmul_half_dim")
-        if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
-                or value < 0 or (value == 0 and not may_be_zero)):
+        may_be_zero = key in (
+            "launch_s",
+            "alpha_s",
+            "op_s",
+            "sync_s",
+            "call_s",
+            "param_s",
+            "gather_bytes_per_s",
+            "scatter_bytes_per_s",
+            "contention",
+            "matmul_half_dim",
+        )
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Real)
+            or not math.isfinite(value)
+            or value < 0
+            or (value == 0 and not may_be_zero)
+        ):
             raise OptionsError(
                 f"options['cost_model'][{key!r}] = {value!r}; give a finite number "
-                f"{'>= 0' if may_be_zero else '> 0'}" + ("" if may_be_zero else " (a huge one, e.g. 1e15, makes it free)")
+                f"{'>= 0' if may_be_zero else '> 0'}"
+                + ("" if may_be_zero else " (a huge one, e.g. 1e15, makes it free)")
             )
         if key == "contention" and value > 1:
-            raise OptionsError(f"options['cost_model']['contention'] = {value!r}; give a share from 0 to 1 "
-                               "(1: compute stops while a collective runs)")
+            raise OptionsError(
+                f"options['cost_model']['contention'] = {value!r}; give a share from 0 to 1 "
+                "(1: compute stops while a collective runs)"
+            )
     return dataclasses.replace(model, **{k: float(v) for k, v in overrides.items()})

@@ -52,16 +52,42 @@ def aten_flops(op: torch._ops.OpOverload, args, kwargs, out) -> float:
 
 # Ops (functions, or the method names Dynamo records) whose result aliases their input: no
 # compute and no new memory.
-TORCH_VIEWS = frozenset({
-    "view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "flatten", "t", "contiguous",
-    torch.reshape, torch.transpose, torch.permute, torch.flatten, torch.unsqueeze, torch.squeeze,
-})
+TORCH_VIEWS = frozenset(
+    {
+        "view",
+        "reshape",
+        "transpose",
+        "permute",
+        "unsqueeze",
+        "squeeze",
+        "expand",
+        "flatten",
+        "t",
+        "contiguous",
+        torch.reshape,
+        torch.transpose,
+        torch.permute,
+        torch.flatten,
+        torch.unsqueeze,
+        torch.squeeze,
+    }
+)
 # The traced matmuls, and the position of their first matmul operand (addmm and baddbmm, as
 # `torch.addmm(bias, x, w)` or the method `bias.addmm(x, w)`, take the added term first): HF
 # GPT-2's Conv1D runs on addmm, so without it every block's matmul would count as elementwise.
 TORCH_MATMULS = {
-    F.linear: 0, torch.matmul: 0, torch.bmm: 0, torch.mm: 0, operator.matmul: 0, "matmul": 0, "bmm": 0, "mm": 0,
-    torch.addmm: 1, torch.baddbmm: 1, "addmm": 1, "baddbmm": 1,
+    F.linear: 0,
+    torch.matmul: 0,
+    torch.bmm: 0,
+    torch.mm: 0,
+    operator.matmul: 0,
+    "matmul": 0,
+    "bmm": 0,
+    "mm": 0,
+    torch.addmm: 1,
+    torch.baddbmm: 1,
+    "addmm": 1,
+    "baddbmm": 1,
 }
 TORCH_ATTENTIONS = frozenset({F.scaled_dot_product_attention})
 

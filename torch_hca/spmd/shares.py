@@ -52,8 +52,11 @@ class Shard(TorchShard):
 
 def check_shares(shares, what: str) -> tuple[int, ...]:
     """`shares` as a tuple of positive ints, or a `PlacementError` saying what to write."""
-    if not isinstance(shares, (tuple, list)) or not shares \
-            or not all(isinstance(s, Integral) and not isinstance(s, bool) for s in shares):
+    if (
+        not isinstance(shares, (tuple, list))
+        or not shares
+        or not all(isinstance(s, Integral) and not isinstance(s, bool) for s in shares)
+    ):
         raise PlacementError(
             f"{what}: shares={shares!r}; give one positive integer per rank of the mesh dimension, "
             "in proportion to what each rank can do: shares=(1, 3) gives the second rank 3/4 of the rows"
@@ -112,6 +115,7 @@ def smallest_whole(shares: tuple[int, ...]) -> int:
 
 
 # ----------------------------------------------------------------------------- marker text
+
 
 def share_text(p) -> str:
     """``"S0"`` for a Shard, ``"S0/1:3"`` for an `UnevenShard`: the suffix carries the shares."""

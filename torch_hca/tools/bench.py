@@ -46,6 +46,7 @@ import os
 from ..errors import HCAError
 from torch_hca.runtime.launch import launch
 from torch_hca.compiler.options import Options
+
 # Also the names tests and users reach through the command's module.
 from .bench_models import ALTERNATIVES, CONTESTANTS, MODELS, _expert, applies, specs  # noqa: F401
 from .bench_profile import BREAKDOWN, step_breakdown, traced_step  # noqa: F401
@@ -54,9 +55,21 @@ from .bench_tables import tables, wrong_gradients
 from .progress import Progress
 
 
-def main(world_size: int = 2, steps: int = 5, models=MODELS, contestants=CONTESTANTS, json_path=None,
-         tiny: bool = False, default_costs: bool = False, *, recalibrate: bool = False, rounds: int = 1,
-         profile_dir: str | None = None, round_ms: float = 250.0, hca_options: str | dict | None = None) -> int:
+def main(
+    world_size: int = 2,
+    steps: int = 5,
+    models=MODELS,
+    contestants=CONTESTANTS,
+    json_path=None,
+    tiny: bool = False,
+    default_costs: bool = False,
+    *,
+    recalibrate: bool = False,
+    rounds: int = 1,
+    profile_dir: str | None = None,
+    round_ms: float = 250.0,
+    hca_options: str | dict | None = None,
+) -> int:
     models, contestants = list(models), list(contestants)
     hca_options = _hca_options(hca_options)
     for m in models:
@@ -76,11 +89,21 @@ def main(world_size: int = 2, steps: int = 5, models=MODELS, contestants=CONTEST
     if hca_options:
         print(f"hca contestants' options: {json.dumps(hca_options, sort_keys=True)}")
     timed = f"{steps}+ timed" + (f" x {rounds} rounds" if rounds > 1 else "")
-    print(f"torch_hca bench: {', '.join(models)} x {', '.join(contestants)} on {world_size} local gloo ranks, "
-          f"{'tiny models, ' if tiny else ''}1 warm-up + {timed} + {2 if profile_dir else 1} profiled step(s)\n",
-          flush=True)
-    cfg = RunConfig(steps, tiny, default_costs, recalibrate, rounds, os.path.abspath(profile_dir) if profile_dir else None,
-                    round_ms / 1e3, hca_options)
+    print(
+        f"torch_hca bench: {', '.join(models)} x {', '.join(contestants)} on {world_size} local gloo ranks, "
+        f"{'tiny models, ' if tiny else ''}1 warm-up + {timed} + {2 if profile_dir else 1} profiled step(s)\n",
+        flush=True,
+    )
+    cfg = RunConfig(
+        steps,
+        tiny,
+        default_costs,
+        recalibrate,
+        rounds,
+        os.path.abspath(profile_dir) if profile_dir else None,
+        round_ms / 1e3,
+        hca_options,
+    )
     progress = Progress("bench")  # one line per model and contestant, on stderr
     progress(f"starting {world_size} local gloo ranks")
     records = merge(launch(run_rank, world_size, models, contestants, cfg, progress.since, timeout_s=1800.0))

@@ -73,6 +73,7 @@ class HeteroConfig:
 
 # ------------------------------------------------------------ the split and the arithmetic (no ranks)
 
+
 def pick_shares(k: float, batch: int, min_rows: int = 2) -> tuple[tuple[int, int], tuple[int, int]]:
     """Shares and rows, in rank order (fast rank 0, slow rank 1), of `batch` rows for a rank 1
     `k` times slower than rank 0: the legal split (each rank at least `min_rows`; rows in
@@ -106,22 +107,42 @@ def summarize(k: float, shares: tuple, rows: tuple, times: dict) -> dict:
     k_measured = med(slowed[SLOW]["compute"]) / med(slowed[FAST]["compute"])
     even, by_shares = slowest("even"), slowest("shares")
     t = bound(whole, k_measured)
-    return {"k": k, "k_measured": k_measured, "shares": list(shares), "rows": list(rows), "whole_s": whole,
-            "even_s": even, "shares_s": by_shares, "bound_s": t, "shares_over_bound": by_shares / t,
-            "even_over_shares": even / by_shares}
+    return {
+        "k": k,
+        "k_measured": k_measured,
+        "shares": list(shares),
+        "rows": list(rows),
+        "whole_s": whole,
+        "even_s": even,
+        "shares_s": by_shares,
+        "bound_s": t,
+        "shares_over_bound": by_shares / t,
+        "even_over_shares": even / by_shares,
+    }
 
 
 def goals(rows: list) -> list[str]:
     """The issue's three goals, each met or not, with the figures that decide it."""
     worst = max(rows, key=lambda r: r["shares_over_bound"])
-    out = [_verdict(worst["shares_over_bound"] <= BOUND_GOAL,
-                    f"shares within {BOUND_GOAL:.2f}x of the bound at every k: worst {worst['shares_over_bound']:.3f}x "
-                    f"at k={worst['k']:g}")]
-    for k, ok, text in ((2.0, lambda r: r["even_over_shares"] >= K2_GOAL,
-                         lambda r: f"k=2: shares {r['even_over_shares']:.2f}x faster than even (goal >= {K2_GOAL})"),
-                        (1.0, lambda r: r["shares_s"] / r["even_s"] <= K1_GOAL,
-                         lambda r: f"k=1: shares at {r['shares_s'] / r['even_s']:.3f}x the even program's time "
-                                   f"(goal <= {K1_GOAL})")):
+    out = [
+        _verdict(
+            worst["shares_over_bound"] <= BOUND_GOAL,
+            f"shares within {BOUND_GOAL:.2f}x of the bound at every k: worst {worst['shares_over_bound']:.3f}x "
+            f"at k={worst['k']:g}",
+        )
+    ]
+    for k, ok, text in (
+        (
+            2.0,
+            lambda r: r["even_over_shares"] >= K2_GOAL,
+            lambda r: f"k=2: shares {r['even_over_shares']:.2f}x faster than even (goal >= {K2_GOAL})",
+        ),
+        (
+            1.0,
+            lambda r: r["shares_s"] / r["even_s"] <= K1_GOAL,
+            lambda r: f"k=1: shares at {r['shares_s'] / r['even_s']:.3f}x the even program's time (goal <= {K1_GOAL})",
+        ),
+    ):
         row = next((r for r in rows if r["k"] == k), None)
         out.append(f"  not measured: k={k:g} not in this run" if row is None else _verdict(ok(row), text(row)))
     return out
@@ -135,10 +156,16 @@ def breakdown(k: float, times: dict) -> list:
     """Where each contestant's step goes at `k`, medians in seconds: each rank's forward +
     backward CPU time, rank 1's sleep, the slowest rank's step."""
     med = statistics.median
-    return [{"k": k, "contestant": c, "cpu_s": [med(t[r]["cpu"]) for r in (FAST, SLOW)],
-             "slept_s": med(t[SLOW]["slept"]),
-             "step_s": med(max(pair) for pair in zip(t[FAST]["step"], t[SLOW]["step"]))}
-            for c, t in times.items()]
+    return [
+        {
+            "k": k,
+            "contestant": c,
+            "cpu_s": [med(t[r]["cpu"]) for r in (FAST, SLOW)],
+            "slept_s": med(t[SLOW]["slept"]),
+            "step_s": med(max(pair) for pair in zip(t[FAST]["step"], t[SLOW]["step"])),
+        }
+        for c, t in times.items()
+    ]
 
 
 def _aligned(head: tuple, body: list) -> str:
@@ -150,21 +177,55 @@ def _aligned(head: tuple, body: list) -> str:
 def breakdown_table(parts: list) -> str:
     head = ("k asked", "contestant", "r0 fwd+bwd CPU ms", "r1 fwd+bwd CPU ms", "r1 slept ms", "step ms")
     ms = lambda s: f"{s * 1e3:.1f}"
-    return _aligned(head, [(f"{p['k']:g}", p["contestant"], ms(p["cpu_s"][FAST]), ms(p["cpu_s"][SLOW]),
-                            ms(p["slept_s"]), ms(p["step_s"])) for p in parts])
+    return _aligned(
+        head,
+        [
+            (
+                f"{p['k']:g}",
+                p["contestant"],
+                ms(p["cpu_s"][FAST]),
+                ms(p["cpu_s"][SLOW]),
+                ms(p["slept_s"]),
+                ms(p["step_s"]),
+            )
+            for p in parts
+        ],
+    )
 
 
 def table(rows: list) -> str:
-    head = ("k asked", "k got", "shares r0:r1", "rows r0:r1", "W ms", "even ms", "shares ms", "bound ms",
-            "shares/bound", "even/shares")
-    body = [(f"{r['k']:g}", f"{r['k_measured']:.2f}", ":".join(map(str, r["shares"])), ":".join(map(str, r["rows"])),
-             f"{r['whole_s'] * 1e3:.1f}", f"{r['even_s'] * 1e3:.1f}", f"{r['shares_s'] * 1e3:.1f}",
-             f"{r['bound_s'] * 1e3:.1f}", f"{r['shares_over_bound']:.3f}", f"{r['even_over_shares']:.2f}")
-            for r in rows]
+    head = (
+        "k asked",
+        "k got",
+        "shares r0:r1",
+        "rows r0:r1",
+        "W ms",
+        "even ms",
+        "shares ms",
+        "bound ms",
+        "shares/bound",
+        "even/shares",
+    )
+    body = [
+        (
+            f"{r['k']:g}",
+            f"{r['k_measured']:.2f}",
+            ":".join(map(str, r["shares"])),
+            ":".join(map(str, r["rows"])),
+            f"{r['whole_s'] * 1e3:.1f}",
+            f"{r['even_s'] * 1e3:.1f}",
+            f"{r['shares_s'] * 1e3:.1f}",
+            f"{r['bound_s'] * 1e3:.1f}",
+            f"{r['shares_over_bound']:.3f}",
+            f"{r['even_over_shares']:.2f}",
+        )
+        for r in rows
+    ]
     return _aligned(head, body)
 
 
 # ------------------------------------------------------------ on each rank
+
 
 def _model(cfg: HeteroConfig) -> nn.Module:
     layers = []
@@ -190,7 +251,7 @@ class _Contestant:
         """One training step at `k` times this rank's own time; returns its seconds: ``step``
         (to the end of the optimizer step), ``compute`` (forward + sleep + backward, wall clock),
         ``cpu`` (forward + backward, this thread's CPU time) and ``slept``."""
-        x, y = x[self.start:self.start + self.rows], y[self.start:self.start + self.rows]
+        x, y = x[self.start : self.start + self.rows], y[self.start : self.start + self.rows]
         t0 = time.perf_counter()
         c0 = time.thread_time()
         loss = F.mse_loss(self.run(x), y)
@@ -227,10 +288,13 @@ def _contestants(cfg: HeteroConfig, ref: nn.Module, mesh, rank: int) -> dict:
     one = copy.deepcopy(ref)
     run = torch.compile(one, backend="aot_eager")
     even = hca.sharded({}, mesh=mesh, inputs=hca.Shard(0), outputs=hca.Shard(0), loss_reduction="mean")(
-        copy.deepcopy(ref))
-    return {"whole": _Contestant("whole", one, run, even_rows, rank, slowed=False),
-            "whole_k": _Contestant("whole_k", one, run, even_rows, rank),
-            "even": _Contestant("even", even, torch.compile(even, backend="hca"), even_rows, rank)}
+        copy.deepcopy(ref)
+    )
+    return {
+        "whole": _Contestant("whole", one, run, even_rows, rank, slowed=False),
+        "whole_k": _Contestant("whole_k", one, run, even_rows, rank),
+        "even": _Contestant("even", even, torch.compile(even, backend="hca"), even_rows, rank),
+    }
 
 
 def _by_shares(cfg: HeteroConfig, ref: nn.Module, mesh, rank: int, k: float) -> _Contestant:
@@ -258,8 +322,8 @@ def _one_k(cfg: HeteroConfig, k: float, entries: dict, batches: list, progress: 
     times = {name: {} for name in names}
     progress(f"k={k:g}: {cfg.rounds} rounds of {', '.join(names)}")
     for r in range(cfg.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:  # each contestant first in turn
-            entries[name].timed(batches[2:2 + cfg.steps], k_here, times[name])
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # each contestant first in turn
+            entries[name].timed(batches[2 : 2 + cfg.steps], k_here, times[name])
     return times
 
 
@@ -275,8 +339,13 @@ def run_rank(cfg: HeteroConfig, since: float | None = None) -> dict:
     torch.manual_seed(0)
     ref = _model(cfg)
     gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(cfg.batch, cfg.seq, cfg.dim, generator=gen),
-                torch.randn(cfg.batch, cfg.seq, cfg.dim, generator=gen)) for _ in range(2 + cfg.steps)]
+    batches = [
+        (
+            torch.randn(cfg.batch, cfg.seq, cfg.dim, generator=gen),
+            torch.randn(cfg.batch, cfg.seq, cfg.dim, generator=gen),
+        )
+        for _ in range(2 + cfg.steps)
+    ]
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=4 * len(cfg.ks) + 8):
         common = _contestants(cfg, ref, mesh, rank)
         by_k = {}
@@ -292,6 +361,7 @@ def run_rank(cfg: HeteroConfig, since: float | None = None) -> dict:
 
 
 # ------------------------------------------------------------ the command
+
 
 def _cpu_seconds() -> tuple | None:
     """(wall, CPU seconds the machine was busy, CPU seconds of this process and its waited-for
@@ -320,35 +390,52 @@ def main(json_path: str | None = None, tiny: bool = False, rounds: int | None = 
     if rounds:
         cfg = HeteroConfig(**{**asdict(cfg), "rounds": rounds})
     load = os.getloadavg()
-    print(f"torch_hca bench --hetero: rank 1 k times slower (sleeps (k-1) x the median CPU time of its last "
-          f"{RECENT} forward+backward passes), "
-          f"k in {', '.join(f'{k:g}' for k in cfg.ks)}; MLP {cfg.layers} x ({cfg.dim}->{cfg.hidden}->{cfg.dim}) "
-          f"on a batch of {cfg.batch} x {cfg.seq} tokens{' (tiny: a smoke test, not a measurement)' if tiny else ''}; "
-          f"{cfg.rounds} rounds x {cfg.steps} steps; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n",
-          flush=True)
+    print(
+        f"torch_hca bench --hetero: rank 1 k times slower (sleeps (k-1) x the median CPU time of its last "
+        f"{RECENT} forward+backward passes), "
+        f"k in {', '.join(f'{k:g}' for k in cfg.ks)}; MLP {cfg.layers} x ({cfg.dim}->{cfg.hidden}->{cfg.dim}) "
+        f"on a batch of {cfg.batch} x {cfg.seq} tokens{' (tiny: a smoke test, not a measurement)' if tiny else ''}; "
+        f"{cfg.rounds} rounds x {cfg.steps} steps; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n",
+        flush=True,
+    )
     progress = Progress("bench --hetero")
     progress(f"starting {WORLD} local gloo ranks")
     before = _cpu_seconds()
     per_rank = launch(run_rank, WORLD, cfg, progress.since, timeout_s=600.0)
     others = _others_cores(before, _cpu_seconds())
-    rows = [summarize(k, *pick_shares(k, cfg.batch), {c: [per_rank[r][k][c] for r in range(WORLD)]
-                                                     for c in per_rank[0][k]}) for k in cfg.ks]
+    rows = [
+        summarize(k, *pick_shares(k, cfg.batch), {c: [per_rank[r][k][c] for r in range(WORLD)] for c in per_rank[0][k]})
+        for k in cfg.ks
+    ]
     progress("done")
-    parts = [p for k in cfg.ks for p in breakdown(k, {c: [per_rank[r][k][c] for r in range(WORLD)]
-                                                      for c in per_rank[0][k]})]
+    parts = [
+        p for k in cfg.ks for p in breakdown(k, {c: [per_rank[r][k][c] for r in range(WORLD)] for c in per_rank[0][k]})
+    ]
     after = os.getloadavg()
     print(table(rows))
-    print("\ngoals (docs/heterogeneous.md, \"Measuring heterogeneity here\"):")
+    print('\ngoals (docs/heterogeneous.md, "Measuring heterogeneity here"):')
     print("\n".join(goals(rows)))
     print("\nwhere the steps go (medians):")
     print(breakdown_table(parts))
     busy = "not measured" if others is None else f"{others:.2f} cores on average"
-    print(f"\nother processes during the run: {busy}; load average before {load[0]:.2f}, after {after[0]:.2f} "
-          f"(1 min) on {os.cpu_count()} cores")
+    print(
+        f"\nother processes during the run: {busy}; load average before {load[0]:.2f}, after {after[0]:.2f} "
+        f"(1 min) on {os.cpu_count()} cores"
+    )
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"config": asdict(cfg), "load_average_before": load, "load_average_after": after,
-                       "others_cores": others, "rows": rows, "breakdown": parts,
-                       "raw": {f"{k:g}": [per_rank[r][k] for r in range(WORLD)] for k in cfg.ks}}, f, indent=2)
+            json.dump(
+                {
+                    "config": asdict(cfg),
+                    "load_average_before": load,
+                    "load_average_after": after,
+                    "others_cores": others,
+                    "rows": rows,
+                    "breakdown": parts,
+                    "raw": {f"{k:g}": [per_rank[r][k] for r in range(WORLD)] for k in cfg.ks},
+                },
+                f,
+                indent=2,
+            )
         print(f"wrote {os.path.abspath(json_path)}")
     return 0

@@ -22,8 +22,22 @@ from torch_hca.api.sharded_forward import trace_over_dtensor
 from ..spmd.collective_kinds import Kind, bytes_per_rank
 from . import zoo
 
-CONTESTANTS = ("hca", "hca_inductor", "hca_tune", "hca_noschedule", "hca_dtensor_layout", "hca_dp", "hca_dp_replicated",
-               "dtensor_eager", "dtensor_inductor", "expert", "expert_inductor", "ddp", "fsdp2", "single_inductor")
+CONTESTANTS = (
+    "hca",
+    "hca_inductor",
+    "hca_tune",
+    "hca_noschedule",
+    "hca_dtensor_layout",
+    "hca_dp",
+    "hca_dp_replicated",
+    "dtensor_eager",
+    "dtensor_inductor",
+    "expert",
+    "expert_inductor",
+    "ddp",
+    "fsdp2",
+    "single_inductor",
+)
 MODELS = ("mlp", "block", "lm", "tt", "dp", "dp512", "fsdp")
 LR = 1e-3
 # The other layouts hca could have chosen on the plan's storage, each compiled by hca: `regret` is
@@ -81,24 +95,50 @@ def _randn(*shape):
 def specs(tiny: bool = False) -> dict[str, Spec]:
     """The bench models: full size, or tiny ones for a smoke test."""
     d, h, b = (16, 32, 8) if tiny else (256, 1024, 32)
-    lm = dict(vocab=64, dim=32, heads=4, hidden=64, layers=1) if tiny else \
-        dict(vocab=512, dim=128, heads=4, hidden=512, layers=4)
+    lm = (
+        dict(vocab=64, dim=32, heads=4, hidden=64, layers=1)
+        if tiny
+        else dict(vocab=512, dim=128, heads=4, hidden=512, layers=4)
+    )
     bs, seq = (2, 8) if tiny else (8, 64)
     depth = 3 if tiny else 12  # the dp and fsdp models' layers
     wide, wide_rows = (d, b) if tiny else (512, 64)  # dp512's width and batch
-    tt = dict(layers=1, vocab=64, seq=8, dim=16, heads=4) if tiny else dict(layers=4, vocab=512, seq=64, dim=256, heads=8)
+    tt = (
+        dict(layers=1, vocab=64, seq=8, dim=16, heads=4)
+        if tiny
+        else dict(layers=4, vocab=512, seq=64, dim=256, heads=8)
+    )
     return {
         "mlp": Spec("mlp", "tp", lambda: zoo.MLP(d, h), zoo.MEGATRON_MLP, _randn(b, d)),
-        "block": Spec("block", "tp", lambda: zoo.TransformerBlock(d, 4 if tiny else 8, h), zoo.TP_BLOCK,
-                      _randn(max(bs // 2, 2), seq, d)),  # at least 2 rows: hca_dp splits them
-        "lm": Spec("lm", "tp", lambda: zoo.TinyLM(**lm), zoo.TP_LM,
-                   lambda g: torch.randint(0, lm["vocab"], (bs, seq), generator=g), zoo.lm_loss, "mean"),
+        "block": Spec(
+            "block",
+            "tp",
+            lambda: zoo.TransformerBlock(d, 4 if tiny else 8, h),
+            zoo.TP_BLOCK,
+            _randn(max(bs // 2, 2), seq, d),
+        ),  # at least 2 rows: hca_dp splits them
+        "lm": Spec(
+            "lm",
+            "tp",
+            lambda: zoo.TinyLM(**lm),
+            zoo.TP_LM,
+            lambda g: torch.randint(0, lm["vocab"], (bs, seq), generator=g),
+            zoo.lm_loss,
+            "mean",
+        ),
         # torch's own test Transformer, stored as its `Transformer.parallelize` stores it.
-        "tt": Spec("tt", "tp", lambda: zoo.torch_transformer(**tt), zoo.TP_TEST_TRANSFORMER,
-                   lambda g: torch.randint(0, tt["vocab"], (bs, tt["seq"]), generator=g), zoo.lm_loss, "mean",
-                   # forward's `pos = torch.arange(...)` is a plain tensor into the sharded position
-                   # embedding: DTensor raises "got mixed torch.Tensor and DTensor" (docs/bench.md).
-                   dtensor_runs=False),
+        "tt": Spec(
+            "tt",
+            "tp",
+            lambda: zoo.torch_transformer(**tt),
+            zoo.TP_TEST_TRANSFORMER,
+            lambda g: torch.randint(0, tt["vocab"], (bs, tt["seq"]), generator=g),
+            zoo.lm_loss,
+            "mean",
+            # forward's `pos = torch.arange(...)` is a plain tensor into the sharded position
+            # embedding: DTensor raises "got mixed torch.Tensor and DTensor" (docs/bench.md).
+            dtensor_runs=False,
+        ),
         # Enough rows that data parallelism beats gathering the batch and replicating the
         # work (with few rows the layout solver would rather gather: docs/layout.md).
         "dp": Spec("dp", "dp", lambda: zoo.DeepMLP(d, depth), {}, _randn(16 * b, d)),
@@ -128,6 +168,7 @@ def applies(spec: Spec, contestant: str, world_size: int = 2) -> bool:
 
 # ------------------------------------------------------------ expert plans
 
+
 def _local_heads_forward(self, x):
     """zoo.Attention's forward as a tensor-parallel trainer writes it: local heads, -1 widths."""
     b, s, d = x.shape
@@ -141,25 +182,38 @@ def _local_heads_forward(self, x):
 def _sequence_parallel_block(prefix: str) -> dict:
     """Megatron sequence parallel: norms on sequence shards, all-gather in, reduce-scatter out."""
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
     )
 
     # DTensors in (use_local_output=False, as torchtitan writes it): the q, k and v input
     # gradients then sum as one Partial and are reduce-scattered once.
     gather = lambda: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return {
-        f"{prefix}norm1": SequenceParallel(), f"{prefix}attn": gather(),
-        f"{prefix}attn.wq": ColwiseParallel(), f"{prefix}attn.wk": ColwiseParallel(),
-        f"{prefix}attn.wv": ColwiseParallel(), f"{prefix}attn.wo": RowwiseParallel(output_layouts=Shard(1)),
-        f"{prefix}norm2": SequenceParallel(), f"{prefix}mlp": gather(),
-        f"{prefix}mlp.fc1": ColwiseParallel(), f"{prefix}mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
+        f"{prefix}norm1": SequenceParallel(),
+        f"{prefix}attn": gather(),
+        f"{prefix}attn.wq": ColwiseParallel(),
+        f"{prefix}attn.wk": ColwiseParallel(),
+        f"{prefix}attn.wv": ColwiseParallel(),
+        f"{prefix}attn.wo": RowwiseParallel(output_layouts=Shard(1)),
+        f"{prefix}norm2": SequenceParallel(),
+        f"{prefix}mlp": gather(),
+        f"{prefix}mlp.fc1": ColwiseParallel(),
+        f"{prefix}mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
     }
 
 
 def _expert(model: nn.Module, spec: Spec, mesh) -> nn.Module:
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
-        SequenceParallel, parallelize_module,
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
     )
 
     if spec.name == "mlp":
@@ -171,17 +225,30 @@ def _expert(model: nn.Module, spec: Spec, mesh) -> nn.Module:
             m.global_heads = m.heads
             m.forward = types.MethodType(_local_heads_forward, m)
     if spec.name == "block":  # replicated [b, s, d] in and out, sequence shards inside
-        parallelize_module(model, mesh, PrepareModuleInputOutput(
-            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_input=True,
-            output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),)))
+        parallelize_module(
+            model,
+            mesh,
+            PrepareModuleInputOutput(
+                input_layouts=(Replicate(),),
+                desired_input_layouts=(Shard(1),),
+                use_local_input=True,
+                output_layouts=(Shard(1),),
+                desired_output_layouts=(Replicate(),),
+            ),
+        )
         return parallelize_module(model, mesh, _sequence_parallel_block(""))
-    return parallelize_module(model, mesh, {  # lm: embedding and head replicated, as TP_LM
-        "embed": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
-        **_sequence_parallel_block("blocks.*."),
-        "norm": SequenceParallel(),
-        "head": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                   use_local_output=True),
-    })
+    return parallelize_module(
+        model,
+        mesh,
+        {  # lm: embedding and head replicated, as TP_LM
+            "embed": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
+            **_sequence_parallel_block("blocks.*."),
+            "norm": SequenceParallel(),
+            "head": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            ),
+        },
+    )
 
 
 def _fsdp2(model: nn.Module, mesh) -> nn.Module:
@@ -193,6 +260,7 @@ def _fsdp2(model: nn.Module, mesh) -> nn.Module:
 
 
 # ------------------------------------------------------------ one contestant, built
+
 
 @dataclass(frozen=True)
 class Built:
@@ -219,7 +287,9 @@ def build(spec: Spec, contestant: str, ref: nn.Module, mesh, costs: dict, hca_op
         else:
             extra = dict(hca_options or {})
             costs = {**costs, **extra.pop("cost_model", {})}
-            run = torch.compile(model, backend="hca", options={**extra, **options, **({"cost_model": costs} if costs else {})})
+            run = torch.compile(
+                model, backend="hca", options={**extra, **options, **({"cost_model": costs} if costs else {})}
+            )
         # Each rank's loss covers its rows; hca sums the ranks' gradients.
         return Built(model, run, 1.0 / n if split and spec.split_loss == "mean" else 1.0, split)
     if contestant in ("expert", "expert_inductor"):
@@ -239,18 +309,23 @@ def build(spec: Spec, contestant: str, ref: nn.Module, mesh, costs: dict, hca_op
 
 # ------------------------------------------------------------ analytic minimum
 
+
 def analytic_min(spec: Spec, ref: nn.Module, x: torch.Tensor, n: int) -> tuple[float, str]:
     params = sum(p.numel() * p.element_size() for p in ref.parameters())
     if spec.kind == "dp":
         return bytes_per_rank(Kind.ALL_REDUCE, params, n), "one all-reduce of all gradients"
     if spec.kind == "fsdp":
-        return (bytes_per_rank(Kind.ALL_GATHER, params, n) + bytes_per_rank(Kind.REDUCE_SCATTER, params, n),
-                "all-gather every parameter once + reduce-scatter every gradient")
+        return (
+            bytes_per_rank(Kind.ALL_GATHER, params, n) + bytes_per_rank(Kind.REDUCE_SCATTER, params, n),
+            "all-gather every parameter once + reduce-scatter every gradient",
+        )
     if spec.name == "mlp":
         # The input takes no gradient and nothing upstream has parameters: backward needs no collective.
         out = x.numel() * x.element_size()
-        return (bytes_per_rank(Kind.ALL_REDUCE, out, n),
-                "1 all-reduce of the output (fwd); bwd needs none: input has no grad")
+        return (
+            bytes_per_rank(Kind.ALL_REDUCE, out, n),
+            "1 all-reduce of the output (fwd); bwd needs none: input has no grad",
+        )
     if spec.name == "tt":
         # Transformer.parallelize's program: the row-parallel embeddings' all-reduces (tokens
         # [b,s,d], positions [s,d]) and the Megatron blocks' as below, plus the output's
@@ -258,14 +333,20 @@ def analytic_min(spec: Spec, ref: nn.Module, x: torch.Tensor, n: int) -> tuple[f
         b, s = x.shape
         d, vocab, layers = ref.model_args.dim, ref.model_args.vocab_size, len(ref.layers)
         act = b * s * d * 4
-        total = ((4 * layers + 2) * bytes_per_rank(Kind.ALL_REDUCE, act, n)
-                 + bytes_per_rank(Kind.ALL_REDUCE, s * d * 4, n) + bytes_per_rank(Kind.ALL_GATHER, b * s * vocab * 4, n))
-        return total, (f"{layers} layers x 2 sub-blocks x (1 fwd + 1 bwd) all-reduce of [b,s,d], the embeddings' "
-                       "all-reduces, the logits' all-gather and the output's input-gradient all-reduce")
+        total = (
+            (4 * layers + 2) * bytes_per_rank(Kind.ALL_REDUCE, act, n)
+            + bytes_per_rank(Kind.ALL_REDUCE, s * d * 4, n)
+            + bytes_per_rank(Kind.ALL_GATHER, b * s * vocab * 4, n)
+        )
+        return total, (
+            f"{layers} layers x 2 sub-blocks x (1 fwd + 1 bwd) all-reduce of [b,s,d], the embeddings' "
+            "all-reduces, the logits' all-gather and the output's input-gradient all-reduce"
+        )
     blocks = len(ref.blocks) if spec.name == "lm" else 1
     act = x.numel() * 4 * (ref.embed.embedding_dim if spec.name == "lm" else 1)
     # Per block: attention and MLP each one all-reduce of [b,s,d] forward and one backward
     # (the norms, and the embedding in the LM, upstream need the input gradient).
-    return (4 * blocks * bytes_per_rank(Kind.ALL_REDUCE, act, n),
-            f"{blocks} block(s) x 2 sub-blocks x (1 fwd + 1 bwd) all-reduce of [b,s,d] "
-            "(or reduce-scatter + all-gather)")
+    return (
+        4 * blocks * bytes_per_rank(Kind.ALL_REDUCE, act, n),
+        f"{blocks} block(s) x 2 sub-blocks x (1 fwd + 1 bwd) all-reduce of [b,s,d] (or reduce-scatter + all-gather)",
+    )

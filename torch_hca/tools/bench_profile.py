@@ -14,13 +14,37 @@ BREAKDOWN = ("compute", "collectives", "bucket_copies", "other")
 _COLLECTIVE_NS = ("c10d::", "_c10d_functional::", "c10d_functional::")
 _OP_NS = ("aten::", "fsdp::", *_COLLECTIVE_NS)
 # Copies that fill or empty a communication buffer when they sit next to a collective.
-_COPY_OPS = frozenset({
-    "aten::cat", "aten::_chunk_cat", "aten::split", "aten::split_with_sizes", "aten::split_with_sizes_copy",
-    "aten::copy_", "aten::_foreach_copy_", "aten::chunk", "aten::unbind", "aten::clone",
-    "fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy",
-})
-_VIEW_OPS = frozenset({"aten::view", "aten::reshape", "aten::_unsafe_view", "aten::flatten", "aten::as_strided",
-                       "aten::narrow", "aten::slice", "aten::select", "aten::detach", "aten::alias", "aten::t"})
+_COPY_OPS = frozenset(
+    {
+        "aten::cat",
+        "aten::_chunk_cat",
+        "aten::split",
+        "aten::split_with_sizes",
+        "aten::split_with_sizes_copy",
+        "aten::copy_",
+        "aten::_foreach_copy_",
+        "aten::chunk",
+        "aten::unbind",
+        "aten::clone",
+        "fsdp::all_gather_copy_in",
+        "fsdp::split_with_sizes_copy",
+    }
+)
+_VIEW_OPS = frozenset(
+    {
+        "aten::view",
+        "aten::reshape",
+        "aten::_unsafe_view",
+        "aten::flatten",
+        "aten::as_strided",
+        "aten::narrow",
+        "aten::slice",
+        "aten::select",
+        "aten::detach",
+        "aten::alias",
+        "aten::t",
+    }
+)
 # Regions whose every op is bucket work: DDP's copies into and out of its buckets, FSDP2's copy-in/out.
 _BUCKET_REGIONS = ("reducer::", "copy_in", "copy_out")
 
@@ -92,8 +116,11 @@ def step_breakdown(trace: dict, marker: str = STEP_MARKER) -> dict[str, float]:
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     step = max((e for e in events if e["name"] == marker), key=lambda e: e["dur"])
     end = step["ts"] + step["dur"]
-    inside = [e for e in events if e is not step and e["tid"] == step["tid"] and e["pid"] == step["pid"]
-              and step["ts"] <= e["ts"] < end]
+    inside = [
+        e
+        for e in events
+        if e is not step and e["tid"] == step["tid"] and e["pid"] == step["pid"] and step["ts"] <= e["ts"] < end
+    ]
     totals = dict.fromkeys(BREAKDOWN, 0.0)
     _claim(_tree(inside), totals)
     totals["other"] = max(step["dur"] - sum(totals.values()), 0.0)

@@ -52,8 +52,19 @@ from .bench_tables import GRAD_TOL, _aligned, _fmt, _fmt_bytes, _profile_table, 
 from .progress import Progress
 
 REAL_MODELS = ("gpt2_small", "llama_100m")
-REAL_CONTESTANTS = ("single", "single_inductor", "ddp", "ddp_inductor", "fsdp2", "expert", "expert_inductor",
-                    "hca", "hca_inductor", "hca_megatron", "hca_plan")
+REAL_CONTESTANTS = (
+    "single",
+    "single_inductor",
+    "ddp",
+    "ddp_inductor",
+    "fsdp2",
+    "expert",
+    "expert_inductor",
+    "hca",
+    "hca_inductor",
+    "hca_megatron",
+    "hca_plan",
+)
 ROWS, SEQ, TINY_SEQ = (4,), 64, 16
 
 # Megatron storage, as `MEGATRON` in `tests/model_zoo.py`: GPT-2's Conv1D weights are [in, out], so
@@ -62,22 +73,33 @@ ROWS, SEQ, TINY_SEQ = (4,), 64, 16
 # the heads stay replicated.
 MEGATRON = {
     "gpt2_small": {
-        "hf.transformer.h.*.attn.c_attn.weight": Shard(1), "hf.transformer.h.*.attn.c_attn.bias": Shard(0),
+        "hf.transformer.h.*.attn.c_attn.weight": Shard(1),
+        "hf.transformer.h.*.attn.c_attn.bias": Shard(0),
         "hf.transformer.h.*.attn.c_proj.weight": Shard(0),
-        "hf.transformer.h.*.mlp.c_fc.weight": Shard(1), "hf.transformer.h.*.mlp.c_fc.bias": Shard(0),
+        "hf.transformer.h.*.mlp.c_fc.weight": Shard(1),
+        "hf.transformer.h.*.mlp.c_fc.bias": Shard(0),
         "hf.transformer.h.*.mlp.c_proj.weight": Shard(0),
     },
     "llama_100m": {
-        "hf.model.layers.*.self_attn.[qkv]_proj.weight": Shard(0), "hf.model.layers.*.self_attn.o_proj.weight": Shard(1),
-        "hf.model.layers.*.mlp.gate_proj.weight": Shard(0), "hf.model.layers.*.mlp.up_proj.weight": Shard(0),
+        "hf.model.layers.*.self_attn.[qkv]_proj.weight": Shard(0),
+        "hf.model.layers.*.self_attn.o_proj.weight": Shard(1),
+        "hf.model.layers.*.mlp.gate_proj.weight": Shard(0),
+        "hf.model.layers.*.mlp.up_proj.weight": Shard(0),
         "hf.model.layers.*.mlp.down_proj.weight": Shard(1),
     },
 }
 # parallelize_module's plan per block (module names under the block), as torchtitan writes it.
 _EXPERT_BLOCK = {
     "gpt2_small": {"attn.c_attn": "col", "attn.c_proj": "row", "mlp.c_fc": "col", "mlp.c_proj": "row"},
-    "llama_100m": {"self_attn.q_proj": "col", "self_attn.k_proj": "col", "self_attn.v_proj": "col",
-                   "self_attn.o_proj": "row", "mlp.gate_proj": "col", "mlp.up_proj": "col", "mlp.down_proj": "row"},
+    "llama_100m": {
+        "self_attn.q_proj": "col",
+        "self_attn.k_proj": "col",
+        "self_attn.v_proj": "col",
+        "self_attn.o_proj": "row",
+        "mlp.gate_proj": "col",
+        "mlp.up_proj": "col",
+        "mlp.down_proj": "row",
+    },
 }
 
 
@@ -97,21 +119,48 @@ def gpt2_small(tiny: bool = False, seq: int = SEQ) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, attn_implementation="sdpa")
-    small = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=max(seq, 64),
-                 bos_token_id=0, eos_token_id=0) if tiny else {}  # the default ids lie outside a tiny vocabulary
+    small = (
+        dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=max(seq, 64), bos_token_id=0, eos_token_id=0)
+        if tiny
+        else {}
+    )  # the default ids lie outside a tiny vocabulary
     return LogitsOf(GPT2LMHeadModel(GPT2Config(**small, **no_dropout)))
 
 
 def llama_100m(tiny: bool = False, seq: int = SEQ) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    size = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=128, vocab_size=128) if tiny else \
-        dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
-             intermediate_size=2048, vocab_size=32000)
-    return LogitsOf(LlamaForCausalLM(LlamaConfig(
-        **size, max_position_embeddings=max(seq, 2048 if not tiny else 64), tie_word_embeddings=False,
-        use_cache=False, attention_dropout=0.0, attn_implementation="sdpa")))
+    size = (
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            vocab_size=128,
+        )
+        if tiny
+        else dict(
+            hidden_size=768,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            intermediate_size=2048,
+            vocab_size=32000,
+        )
+    )
+    return LogitsOf(
+        LlamaForCausalLM(
+            LlamaConfig(
+                **size,
+                max_position_embeddings=max(seq, 2048 if not tiny else 64),
+                tie_word_embeddings=False,
+                use_cache=False,
+                attention_dropout=0.0,
+                attn_implementation="sdpa",
+            )
+        )
+    )
 
 
 _BUILD: dict[str, Callable[..., nn.Module]] = {"gpt2_small": gpt2_small, "llama_100m": llama_100m}
@@ -131,8 +180,15 @@ def real_spec(model: str, rows: int, seq: int, world_size: int, tiny: bool = Fal
     """`model` at `rows` rows per rank of `seq` tokens: a bench `Spec` of kind "dp" (its ``plan``
     {} is the ``hca`` contestants' data-parallel storage), named ``{model}_rows{rows}``."""
     vocab = 128 if tiny else {"gpt2_small": 50257, "llama_100m": 32000}[model]
-    return Spec(f"{model}_rows{rows}", "dp", lambda: _BUILD[model](tiny, seq), {},
-                lambda g: torch.randint(0, vocab, (rows * world_size, seq), generator=g), zoo.lm_loss, "mean")
+    return Spec(
+        f"{model}_rows{rows}",
+        "dp",
+        lambda: _BUILD[model](tiny, seq),
+        {},
+        lambda g: torch.randint(0, vocab, (rows * world_size, seq), generator=g),
+        zoo.lm_loss,
+        "mean",
+    )
 
 
 def _family(spec: Spec) -> str:
@@ -171,8 +227,9 @@ def builder(plans: dict) -> Callable:
         if contestant in ("single_inductor", "hca", "hca_inductor"):  # the bench's own, on data-parallel storage
             return bench_build(spec, contestant, ref, mesh, costs, hca_options)
         if contestant == "hca_megatron":  # the plan's storage, the whole batch on every rank
-            return bench_build(dataclasses.replace(spec, plan=MEGATRON[_family(spec)], kind="tp"), "hca", ref, mesh,
-                               costs, hca_options)
+            return bench_build(
+                dataclasses.replace(spec, plan=MEGATRON[_family(spec)], kind="tp"), "hca", ref, mesh, costs, hca_options
+            )
         if contestant == "hca_plan":
             plan = plans.get(spec.name)
             if isinstance(plan, BaseException):
@@ -206,16 +263,16 @@ def _auto_plan(spec: Spec, mesh, costs: dict) -> tuple[dict | BaseException, flo
     x = spec.batch(torch.Generator().manual_seed(1)).chunk(mesh.size())[dist.get_rank()]
     t0 = time.perf_counter()
     try:
-        chosen = plan(model, (x,), mesh, inputs=Shard(0), outputs=Shard(0),
-                      options={"cost_model": costs} if costs else None)
+        chosen = plan(
+            model, (x,), mesh, inputs=Shard(0), outputs=Shard(0), options={"cost_model": costs} if costs else None
+        )
     except Exception as e:  # noqa: BLE001 - hca_plan's row says it failed
         chosen = e
     dist.barrier()
     return chosen, time.perf_counter() - t0
 
 
-def run_rank(models: list, rows: list, seq: int, contestants: list, cfg: RunConfig,
-             since: float | None = None) -> list:
+def run_rank(models: list, rows: list, seq: int, contestants: list, cfg: RunConfig, since: float | None = None) -> list:
     mesh = init_mesh()
     n = dist.get_world_size()
     progress = Progress("bench", since, enabled=dist.get_rank() == 0)
@@ -229,14 +286,20 @@ def run_rank(models: list, rows: list, seq: int, contestants: list, cfg: RunConf
                 if "hca_plan" in contestants:
                     progress(f"{spec.name}: hca.plan ...")
                     plans[spec.name], plan_s = _auto_plan(spec, mesh, costs)
-                for rec in _run_model(spec, contestants, cfg, mesh, costs, progress, applies_to=_applies,
-                                      builder=builder(plans)):
-                    rec.update(model_family=model, rows_per_rank=r, seq=seq, parameters=parameter_count(model, cfg.tiny, seq))
+                for rec in _run_model(
+                    spec, contestants, cfg, mesh, costs, progress, applies_to=_applies, builder=builder(plans)
+                ):
+                    rec.update(
+                        model_family=model, rows_per_rank=r, seq=seq, parameters=parameter_count(model, cfg.tiny, seq)
+                    )
                     if rec["contestant"].startswith("hca"):
                         rec["cost_model"], rec["cost_model_source"] = dict(costs), source
                     if rec["contestant"] == "hca_plan" and isinstance(plans.get(spec.name), dict):
-                        rec["plan"] = {k: str(v) for k, v in plans[spec.name].items()
-                                       if any(not p.is_replicate() for p in (v if isinstance(v, tuple) else (v,)))}
+                        rec["plan"] = {
+                            k: str(v)
+                            for k, v in plans[spec.name].items()
+                            if any(not p.is_replicate() for p in (v if isinstance(v, tuple) else (v,)))
+                        }
                         rec["plan_time_s"] = plan_s
                     records.append(rec)
     return records
@@ -244,8 +307,18 @@ def run_rank(models: list, rows: list, seq: int, contestants: list, cfg: RunConf
 
 # ------------------------------------------------------------ the table
 
-_HEAD = ("contestant", "first call s", "step s", "/ single_inductor", "/ ddp", "peak mem/rank", "grad rel err",
-         "coll/step", "bytes/step", "collectives")
+_HEAD = (
+    "contestant",
+    "first call s",
+    "step s",
+    "/ single_inductor",
+    "/ ddp",
+    "peak mem/rank",
+    "grad rel err",
+    "coll/step",
+    "bytes/step",
+    "collectives",
+)
 
 
 def _ratio(r: dict, base: dict | None) -> str:
@@ -258,9 +331,18 @@ def _row(r: dict, rows: list) -> tuple:
         return (r["contestant"], "failed") + ("n/a",) * (len(_HEAD) - 2)
     by = lambda c: next((o for o in rows if o["contestant"] == c), None)
     kinds = ", ".join(f"{k} x{v}" for k, v in sorted((r.get("collectives_by_kind") or {}).items())) or "none"
-    return (r["contestant"], _fmt(r["first_step_s"], ".1f"), _fmt(r["step_time_s"], ".2f"),
-            _ratio(r, by("single_inductor")), _ratio(r, by("ddp")), _fmt_bytes(r["peak_mem_bytes"]),
-            _fmt(r["max_grad_rel_err"], ".1e"), _fmt(r["collectives"], ".0f"), _fmt_bytes(r["bytes_per_step"]), kinds)
+    return (
+        r["contestant"],
+        _fmt(r["first_step_s"], ".1f"),
+        _fmt(r["step_time_s"], ".2f"),
+        _ratio(r, by("single_inductor")),
+        _ratio(r, by("ddp")),
+        _fmt_bytes(r["peak_mem_bytes"]),
+        _fmt(r["max_grad_rel_err"], ".1e"),
+        _fmt(r["collectives"], ".0f"),
+        _fmt_bytes(r["bytes_per_step"]),
+        kinds,
+    )
 
 
 FOOTNOTES = [
@@ -282,12 +364,16 @@ def real_tables(records: list) -> str:
     for group in dict.fromkeys(r["model"] for r in records):
         rows = [r for r in records if r["model"] == group]
         r0, n = rows[0], rows[0]["world_size"]
-        lines.append(f"== {r0['model_family']} ({r0['parameters'] / 1e6:.1f}M parameters): {r0['rows_per_rank']} "
-                     f"rows/rank x {r0['seq']} tokens, world size {n} (global batch {r0['rows_per_rank'] * n} rows; "
-                     "one device and tensor parallel take all of it, the others their ranks' rows) ==")
+        lines.append(
+            f"== {r0['model_family']} ({r0['parameters'] / 1e6:.1f}M parameters): {r0['rows_per_rank']} "
+            f"rows/rank x {r0['seq']} tokens, world size {n} (global batch {r0['rows_per_rank'] * n} rows; "
+            "one device and tensor parallel take all of it, the others their ranks' rows) =="
+        )
         lines += _aligned([_HEAD] + [_row(r, rows) for r in rows])
-        lines += [f"WRONG GRADIENTS: {r['contestant']} (max rel err {r['max_grad_rel_err']:.1e} > {GRAD_TOL:g})"
-                  for r in wrong_gradients(rows)]
+        lines += [
+            f"WRONG GRADIENTS: {r['contestant']} (max rel err {r['max_grad_rel_err']:.1e} > {GRAD_TOL:g})"
+            for r in wrong_gradients(rows)
+        ]
         lines += [f"{r['contestant']} failed: {r['failed']}" for r in rows if r.get("failed")]
         for r in rows:
             if r.get("plan_time_s") is not None:
@@ -299,10 +385,23 @@ def real_tables(records: list) -> str:
     return "\n".join(lines)
 
 
-def main(world_size: int = 2, steps: int = 5, models=REAL_MODELS, contestants=REAL_CONTESTANTS, json_path=None,
-         tiny: bool = False, default_costs: bool = False, *, rows=ROWS, seq: int | None = None,
-         recalibrate: bool = False, rounds: int = 1, profile_dir: str | None = None, round_ms: float = 250.0,
-         hca_options: str | dict | None = None) -> int:
+def main(
+    world_size: int = 2,
+    steps: int = 5,
+    models=REAL_MODELS,
+    contestants=REAL_CONTESTANTS,
+    json_path=None,
+    tiny: bool = False,
+    default_costs: bool = False,
+    *,
+    rows=ROWS,
+    seq: int | None = None,
+    recalibrate: bool = False,
+    rounds: int = 1,
+    profile_dir: str | None = None,
+    round_ms: float = 250.0,
+    hca_options: str | dict | None = None,
+) -> int:
     from .bench import _hca_options
 
     models, contestants, rows = list(models), list(contestants), [int(r) for r in rows]
@@ -323,15 +422,24 @@ def main(world_size: int = 2, steps: int = 5, models=REAL_MODELS, contestants=RE
     for m in models:
         print(f"{m}: {parameter_count(m, tiny, seq):,} parameters{' (tiny)' if tiny else ''}")
     timed = f"{steps}+ timed" + (f" x {rounds} rounds" if rounds > 1 else "")
-    print(f"torch_hca bench --real: {', '.join(models)} at rows/rank {', '.join(map(str, rows))} x {seq} tokens x "
-          f"{', '.join(contestants)} on {world_size} local gloo ranks, 1 warm-up + {timed} + 1 profiled step(s)\n",
-          flush=True)
-    cfg = RunConfig(steps, tiny, default_costs, recalibrate, rounds, os.path.abspath(profile_dir) if profile_dir else None,
-                    round_ms / 1e3, options)
+    print(
+        f"torch_hca bench --real: {', '.join(models)} at rows/rank {', '.join(map(str, rows))} x {seq} tokens x "
+        f"{', '.join(contestants)} on {world_size} local gloo ranks, 1 warm-up + {timed} + 1 profiled step(s)\n",
+        flush=True,
+    )
+    cfg = RunConfig(
+        steps,
+        tiny,
+        default_costs,
+        recalibrate,
+        rounds,
+        os.path.abspath(profile_dir) if profile_dir else None,
+        round_ms / 1e3,
+        options,
+    )
     progress = Progress("bench")
     progress(f"starting {world_size} local gloo ranks")
-    records = merge(launch(run_rank, world_size, models, rows, seq, contestants, cfg, progress.since,
-                           timeout_s=3600.0))
+    records = merge(launch(run_rank, world_size, models, rows, seq, contestants, cfg, progress.since, timeout_s=3600.0))
     progress(f"done: {len(records)} records")
     if json_path:
         with open(json_path, "w") as f:

@@ -32,6 +32,7 @@ from .step_profile import StepProfile
 
 # ------------------------------------------------------------ one contestant, measured
 
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
@@ -58,8 +59,9 @@ class Contestant:
     """One contestant on one model: built, first step (compile, gradient check), timed
     steps in rounds, then the profiled step(s); `rec` collects what each part measures."""
 
-    def __init__(self, spec: Spec, name: str, ref: nn.Module, mesh, costs: dict, hca_options: dict | None = None,
-                 builder=None):
+    def __init__(
+        self, spec: Spec, name: str, ref: nn.Module, mesh, costs: dict, hca_options: dict | None = None, builder=None
+    ):
         n, rank = mesh.size(), dist.get_rank()
         self.spec, self.mesh = spec, mesh
         self.rec = {"model": spec.name, "contestant": name, "world_size": n, "notes": []}
@@ -122,9 +124,15 @@ class Contestant:
         with StepProfile(rec["world_size"]) as prof:
             self.step(x)
         peak = torch.cuda.max_memory_allocated() if cuda else _resident_bytes(self.built.model) + prof.peak_alloc_bytes
-        rec.update(bytes_per_step=prof.wire_bytes, collectives=prof.collectives, collectives_by_kind=prof.by_kind,
-                   peak_mem_bytes=peak)
-        rec["notes"] += list(dict.fromkeys(prof.notes)) + [f"uncounted bytes of {k} x{v}" for k, v in prof.unknown.items()]
+        rec.update(
+            bytes_per_step=prof.wire_bytes,
+            collectives=prof.collectives,
+            collectives_by_kind=prof.by_kind,
+            peak_mem_bytes=peak,
+        )
+        rec["notes"] += list(dict.fromkeys(prof.notes)) + [
+            f"uncounted bytes of {k} x{v}" for k, v in prof.unknown.items()
+        ]
         if trace_path:
             dist.barrier()
             rec["profile"] = traced_step(lambda: self.step(x), trace_path)
@@ -137,22 +145,37 @@ def _hca_extras(compiled) -> dict:
     """What hca's own report says: its graphs' collective bytes as they run and, when the
     report has a timeline, the estimated exposed communication before and after scheduling."""
     rep = report(compiled)
-    out = {"report_bytes_per_step": sum(_wire_bytes_as_run(c) for c in rep.collectives),
-           "program_sha1": rep.program_digest(),
-           # layout="tune": each candidate's first-call time and the one kept (backends/tune.py)
-           "tuning": [g.tuning for g in rep.graphs if g.tuning is not None] or None,
-           "exposed_comm_est_s": None, "exposed_comm_est_unscheduled_s": None, "est_step_s": None,
-           "est_compute_s": None, "est_comm_s": None, "est_step_no_contention_s": None}
+    out = {
+        "report_bytes_per_step": sum(_wire_bytes_as_run(c) for c in rep.collectives),
+        "program_sha1": rep.program_digest(),
+        # layout="tune": each candidate's first-call time and the one kept (backends/tune.py)
+        "tuning": [g.tuning for g in rep.graphs if g.tuning is not None] or None,
+        "exposed_comm_est_s": None,
+        "exposed_comm_est_unscheduled_s": None,
+        "est_step_s": None,
+        "est_compute_s": None,
+        "est_comm_s": None,
+        "est_step_no_contention_s": None,
+    }
     try:
         m = rep.measured()
-        out["graphs_measured"] = {"predicted_s": m.predicted_s, "measured_s": m.measured_s, "error": m.error,
-                                  "calls": m.calls}
+        out["graphs_measured"] = {
+            "predicted_s": m.predicted_s,
+            "measured_s": m.measured_s,
+            "error": m.error,
+            "calls": m.calls,
+        }
     except HCAError:  # no timed call (inner="dtensor"), or a CUDA mesh
         out["graphs_measured"] = None
     if hasattr(rep, "timeline"):
         tl = rep.timeline()
-        out.update(exposed_comm_est_s=tl.after.exposed_comm_s, exposed_comm_est_unscheduled_s=tl.before.exposed_comm_s,
-                   est_step_s=tl.after.total_s, est_compute_s=tl.after.compute_s, est_comm_s=tl.after.comm_s)
+        out.update(
+            exposed_comm_est_s=tl.after.exposed_comm_s,
+            exposed_comm_est_unscheduled_s=tl.before.exposed_comm_s,
+            est_step_s=tl.after.total_s,
+            est_compute_s=tl.after.compute_s,
+            est_comm_s=tl.after.comm_s,
+        )
         # The same step as if collectives took nothing from compute: what the calibrated contention adds.
         free = dataclasses.replace(rep.cost_model(), contention=0.0)
         out["est_step_no_contention_s"] = rep.timeline(free).after.total_s
@@ -168,6 +191,7 @@ def _wire_bytes_as_run(c) -> float:
 
 
 # ------------------------------------------------------------ one model, then every model on this rank
+
 
 def _failure(e: BaseException) -> str:
     """The exception and what it wraps (Dynamo's BackendCompilerFailed wraps the backend's error)."""
@@ -217,8 +241,17 @@ def _reference(spec: Spec, batches_needed: int) -> tuple[nn.Module, dict, list]:
     return ref, {k: p.grad.clone() for k, p in ref_copy.named_parameters()}, batches
 
 
-def _run_model(spec: Spec, contestants: list, cfg: RunConfig, mesh, costs: dict, progress: Progress, *,
-               applies_to=None, builder=None) -> list:
+def _run_model(
+    spec: Spec,
+    contestants: list,
+    cfg: RunConfig,
+    mesh,
+    costs: dict,
+    progress: Progress,
+    *,
+    applies_to=None,
+    builder=None,
+) -> list:
     """`applies_to` and `builder`: which contestants run on `spec` and how each is built (default
     `bench_models.applies` and `build`; `bench --real` brings its own, `bench_real`)."""
     applies_to = applies_to or applies
@@ -285,8 +318,11 @@ def hca_costs(cfg: RunConfig, mesh, progress: Progress) -> tuple[dict, str]:
 
     if cfg.default_costs:
         return DEFAULTS[backend_for(mesh.device_type)].as_dict(), "defaults"
-    progress("calibrating the cost model on the ranks (not cached) ..." if cfg.recalibrate else
-             "cost model: the cached calibration, else calibrating on the ranks (not cached) ...")
+    progress(
+        "calibrating the cost model on the ranks (not cached) ..."
+        if cfg.recalibrate
+        else "cost model: the cached calibration, else calibrating on the ranks (not cached) ..."
+    )
     costs, cached = cached_calibrate(refresh=cfg.recalibrate, store=False)
     source = f"cached {when(costs.measured_at)}" if cached else f"measured {when(costs.measured_at)}, not cached"
     return dict(costs), source + (", noisy" if costs.noisy else "")
@@ -311,13 +347,20 @@ def run_rank(models: list, contestants: list, cfg: RunConfig, since: float | Non
 
 # ------------------------------------------------------------ merging the ranks' records
 
+
 def merge(per_rank: list) -> list:
     """Rank 0's records, with the worst error, memory and times over the ranks, and hca's step-time ratios."""
     merged = []
     for i, rec in enumerate(per_rank[0]):
         rec = dict(rec)
-        for key in ("max_grad_rel_err", "peak_mem_bytes", "step_time_s", "compile_time_s", "first_step_s",
-                    "optimizer_time_s"):
+        for key in (
+            "max_grad_rel_err",
+            "peak_mem_bytes",
+            "step_time_s",
+            "compile_time_s",
+            "first_step_s",
+            "optimizer_time_s",
+        ):
             vals = [r[i][key] for r in per_rank if r[i].get(key) is not None]
             rec[key] = max(vals) if vals else None
         # Each round's median, slowest rank: what the targets read round by round.
@@ -350,8 +393,11 @@ def _regret(hca: dict, rows: list) -> dict:
     another choice: its time is hca's program timed again, so the two differ by the machine's
     noise alone, and it counts at hca's own time."""
     alts = {r["contestant"]: r["step_time_s"] for r in rows if r["contestant"] in ALTERNATIVES and r["step_time_s"]}
-    same = [r["contestant"] for r in rows if r["contestant"] in alts
-            and r.get("program_sha1") and r.get("program_sha1") == hca.get("program_sha1")]
+    same = [
+        r["contestant"]
+        for r in rows
+        if r["contestant"] in alts and r.get("program_sha1") and r.get("program_sha1") == hca.get("program_sha1")
+    ]
     out = {"regret": None, "regret_vs": None, "regret_alternatives_s": alts, "regret_same_program": same}
     if not hca["step_time_s"] or not alts:
         return out

@@ -21,8 +21,17 @@ def _fmt(value, spec: str, scale: float = 1.0) -> str:
     return "n/a" if value is None else format(value * scale, spec)
 
 
-_HEAD = ("contestant", "bytes/step", "x min", "coll/step", "step ms", "hca/this", "compile s", "peak mem",
-         "grad rel err")
+_HEAD = (
+    "contestant",
+    "bytes/step",
+    "x min",
+    "coll/step",
+    "step ms",
+    "hca/this",
+    "compile s",
+    "peak mem",
+    "grad rel err",
+)
 
 
 def _row(r: dict, amin: float, mark) -> tuple:
@@ -31,9 +40,15 @@ def _row(r: dict, amin: float, mark) -> tuple:
     b = r["bytes_per_step"]
     extra = "".join(" " + mark(f"{r['model']}/{r['contestant']}: {note}") for note in r["notes"])
     return (
-        r["contestant"], _fmt_bytes(b) + extra, _fmt(b / amin if amin else None, ".2f"), _fmt(r["collectives"], ".0f"),
-        _fmt(r["step_time_s"], ".2f", 1e3), _fmt(r["hca_step_time_ratio"], ".2f"), _fmt(r["compile_time_s"], ".2f"),
-        _fmt_bytes(r["peak_mem_bytes"]), _fmt(r["max_grad_rel_err"], ".1e"),
+        r["contestant"],
+        _fmt_bytes(b) + extra,
+        _fmt(b / amin if amin else None, ".2f"),
+        _fmt(r["collectives"], ".0f"),
+        _fmt(r["step_time_s"], ".2f", 1e3),
+        _fmt(r["hca_step_time_ratio"], ".2f"),
+        _fmt(r["compile_time_s"], ".2f"),
+        _fmt_bytes(r["peak_mem_bytes"]),
+        _fmt(r["max_grad_rel_err"], ".1e"),
     )
 
 
@@ -63,8 +78,10 @@ def _fewest_bytes(rows: list) -> list[str]:
         comm, compute = hca["est_comm_s"], hca["est_compute_s"]
         bound = "communication" if comm > compute else "compute"
         regime = f"; {bound}-bound by the cost model (comm {1e3 * comm:.2f} ms, compute {1e3 * compute:.2f} ms)"
-    return [f"hca bytes/step {_fmt_bytes(hca['bytes_per_step'])}: {verdict} (best other: {best['contestant']}, "
-            f"{_fmt_bytes(best['bytes_per_step'])}){regime}"]
+    return [
+        f"hca bytes/step {_fmt_bytes(hca['bytes_per_step'])}: {verdict} (best other: {best['contestant']}, "
+        f"{_fmt_bytes(best['bytes_per_step'])}){regime}"
+    ]
 
 
 def _regret_line(rows: list) -> list[str]:
@@ -73,15 +90,21 @@ def _regret_line(rows: list) -> list[str]:
     for hca in (r for r in rows if r.get("regret") is not None):
         who = hca["contestant"]
         same = hca.get("regret_same_program") or []
-        alts = ", ".join(f"{c} {1e3 * t:.2f}" + (f" ({who}'s program)" if c in same else "")
-                         for c, t in hca["regret_alternatives_s"].items())
+        alts = ", ".join(
+            f"{c} {1e3 * t:.2f}" + (f" ({who}'s program)" if c in same else "")
+            for c, t in hca["regret_alternatives_s"].items()
+        )
         if hca["regret_vs"] in same:
-            lines.append(f"{who} regret 1.00: no other layout was faster; {', '.join(same)} came out as {who}'s "
-                         f"own program (ms: {alts}: the same program timed twice, apart by noise alone)")
+            lines.append(
+                f"{who} regret 1.00: no other layout was faster; {', '.join(same)} came out as {who}'s "
+                f"own program (ms: {alts}: the same program timed twice, apart by noise alone)"
+            )
         else:
-            lines.append(f"{who} regret {hca['regret']:.2f}: {who} {1e3 * hca['step_time_s']:.2f} ms / "
-                         f"{hca['regret_vs']} {1e3 * hca['regret_alternatives_s'][hca['regret_vs']]:.2f} ms, the "
-                         f"fastest other layout (ms: {alts}); above 1, a layout hca could have chosen was faster")
+            lines.append(
+                f"{who} regret {hca['regret']:.2f}: {who} {1e3 * hca['step_time_s']:.2f} ms / "
+                f"{hca['regret_vs']} {1e3 * hca['regret_alternatives_s'][hca['regret_vs']]:.2f} ms, the "
+                f"fastest other layout (ms: {alts}); above 1, a layout hca could have chosen was faster"
+            )
     return lines
 
 
@@ -95,8 +118,11 @@ def wrong_gradients(rows: list) -> list[dict]:
 
 
 def _wrong_gradients_line(rows: list) -> list[str]:
-    return [f"WRONG GRADIENTS: {r['contestant']} (max rel err {r['max_grad_rel_err']:.1e} > {GRAD_TOL:g} against "
-            "one device); its step time times a wrong program" for r in wrong_gradients(rows)]
+    return [
+        f"WRONG GRADIENTS: {r['contestant']} (max rel err {r['max_grad_rel_err']:.1e} > {GRAD_TOL:g} against "
+        "one device); its step time times a wrong program"
+        for r in wrong_gradients(rows)
+    ]
 
 
 def _prediction_line(rows: list) -> list[str]:
@@ -107,13 +133,17 @@ def _prediction_line(rows: list) -> list[str]:
         return []
     est, step, opt = hca["est_step_s"], hca["step_time_s"], hca.get("optimizer_time_s") or 0.0
     measured = step - opt
-    line = (f"predicted {1e3 * est:.2f} ms vs measured {1e3 * measured:.2f} ms for forward + backward (the step's "
-            f"{1e3 * step:.2f} ms less the optimizer's {1e3 * opt:.2f}): the cost model is off by "
-            f"{100 * (est / measured - 1):+.0f}% on hca's compiled program")
+    line = (
+        f"predicted {1e3 * est:.2f} ms vs measured {1e3 * measured:.2f} ms for forward + backward (the step's "
+        f"{1e3 * step:.2f} ms less the optimizer's {1e3 * opt:.2f}): the cost model is off by "
+        f"{100 * (est / measured - 1):+.0f}% on hca's compiled program"
+    )
     inside = hca.get("graphs_measured")
     if inside:  # hca.report(c).measured(): the compiled graphs' own calls, without the host work around them
-        line += (f"; inside the compiled graphs {1e3 * inside['predicted_s']:.2f} predicted vs "
-                 f"{1e3 * inside['measured_s']:.2f} ms ({100 * inside['error']:+.0f}%)")
+        line += (
+            f"; inside the compiled graphs {1e3 * inside['predicted_s']:.2f} predicted vs "
+            f"{1e3 * inside['measured_s']:.2f} ms ({100 * inside['error']:+.0f}%)"
+        )
     return [line]
 
 
@@ -129,9 +159,13 @@ def _profile_table(records: list) -> list[str]:
         table.append((r["model"], r["contestant"], f"{1e3 * p['step_s']:.2f}", *(share(k) for k in BREAKDOWN)))
         if r["contestant"] == "hca" and r.get("est_step_s"):
             table.append(_predicted_row(r))
-    return ["== where the step time goes: one more profiled step, rank 0 (ms, share of the step); "
-            "other = Python, FX, Dynamo, autograd, Inductor's C++ kernels; hca (predicted): its cost model's "
-            "forward + backward, to tell which part it misses ==", *_aligned(table), ""]
+    return [
+        "== where the step time goes: one more profiled step, rank 0 (ms, share of the step); "
+        "other = Python, FX, Dynamo, autograd, Inductor's C++ kernels; hca (predicted): its cost model's "
+        "forward + backward, to tell which part it misses ==",
+        *_aligned(table),
+        "",
+    ]
 
 
 def _predicted_row(r: dict) -> tuple:
@@ -140,8 +174,15 @@ def _predicted_row(r: dict) -> tuple:
     collectives; the optimizer step and the host time between ops are not in the model."""
     total, compute = r["est_step_s"], r["est_compute_s"]
     share = lambda s: f"{1e3 * s:.2f} ({100 * s / total:.0f}%)"
-    return (r["model"], "hca (predicted)", f"{1e3 * total:.2f}", share(compute), share(total - compute),
-            "(in compute)", "(not modelled)")
+    return (
+        r["model"],
+        "hca (predicted)",
+        f"{1e3 * total:.2f}",
+        share(compute),
+        share(total - compute),
+        "(in compute)",
+        "(not modelled)",
+    )
 
 
 def targets_table(records: list) -> list[str]:
@@ -150,11 +191,17 @@ def targets_table(records: list) -> list[str]:
     if not checked:
         return []
     table = [("target", "overall", "goal", "each round", "verdict")]
-    table += [(t["target"], f"{t['value']:.2f}", t["rule"], " ".join(f"{v:.2f}" for v in t["rounds"]), t["verdict"])
-              for t in checked]
+    table += [
+        (t["target"], f"{t['value']:.2f}", t["rule"], " ".join(f"{v:.2f}" for v in t["rounds"]), t["verdict"])
+        for t in checked
+    ]
     met = sum(t["verdict"] == "met" for t in checked)
-    return [f"== targets: {met} of {len(checked)} met in every round (ratios of step times in this run; "
-            "each round's from its medians, slowest rank) ==", *_aligned(table), ""]
+    return [
+        f"== targets: {met} of {len(checked)} met in every round (ratios of step times in this run; "
+        "each round's from its medians, slowest rank) ==",
+        *_aligned(table),
+        "",
+    ]
 
 
 def _schedule_table(records: list) -> list[str]:
@@ -167,8 +214,15 @@ def _schedule_table(records: list) -> list[str]:
         est = off.get("exposed_comm_est_s"), on.get("exposed_comm_est_s")
         est_txt = "n/a (no timeline in this build)" if None in est else f"{1e3 * est[0]:.3f} -> {1e3 * est[1]:.3f}"
         ratio = on["step_time_s"] / off["step_time_s"] if on["step_time_s"] and off["step_time_s"] else None
-        table.append((model, est_txt, _fmt(off["step_time_s"], ".2f", 1e3), _fmt(on["step_time_s"], ".2f", 1e3),
-                      _fmt(ratio, ".2f")))
+        table.append(
+            (
+                model,
+                est_txt,
+                _fmt(off["step_time_s"], ".2f", 1e3),
+                _fmt(on["step_time_s"], ".2f", 1e3),
+                _fmt(ratio, ".2f"),
+            )
+        )
     if len(table) == 1:
         return []
     return ["== schedule on/off: hca (schedule=True) vs hca_noschedule (schedule=False) ==", *_aligned(table), ""]
@@ -220,8 +274,10 @@ def tables(records: list) -> str:
     for model in dict.fromkeys(r["model"] for r in records):
         rows = [r for r in records if r["model"] == model]
         amin = rows[0]["analytic_min_bytes"]
-        lines.append(f"== {model} (world size {rows[0]['world_size']}; analytic minimum {_fmt_bytes(amin)}/step/rank: "
-                     f"{rows[0]['analytic_min_why']}) ==")
+        lines.append(
+            f"== {model} (world size {rows[0]['world_size']}; analytic minimum {_fmt_bytes(amin)}/step/rank: "
+            f"{rows[0]['analytic_min_why']}) =="
+        )
         lines += _aligned([_HEAD] + [_row(r, amin, mark) for r in rows]) + _wrong_gradients_line(rows)
         lines += _fewest_bytes(rows) + _regret_line(rows) + _prediction_line(rows)
         lines.append("")

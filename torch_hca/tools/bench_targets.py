@@ -30,10 +30,14 @@ class Target:
 
 
 RATIOS = (
-    Target("dp", "hca", "ddp", 0.9), Target("dp", "hca_inductor", "ddp", 0.9),
-    Target("dp512", "hca", "ddp", 0.9), Target("dp512", "hca_inductor", "ddp", 0.9),
-    Target("tt", "hca", "single_inductor", 0.8), Target("tt", "hca_inductor", "single_inductor", 0.8),
-    Target("tt", "hca", "expert_inductor", 0.9), Target("tt", "hca_inductor", "expert_inductor", 0.9),
+    Target("dp", "hca", "ddp", 0.9),
+    Target("dp", "hca_inductor", "ddp", 0.9),
+    Target("dp512", "hca", "ddp", 0.9),
+    Target("dp512", "hca_inductor", "ddp", 0.9),
+    Target("tt", "hca", "single_inductor", 0.8),
+    Target("tt", "hca_inductor", "single_inductor", 0.8),
+    Target("tt", "hca", "expert_inductor", 0.9),
+    Target("tt", "hca_inductor", "expert_inductor", 0.9),
     Target("*", "hca_inductor", "hca", 1.0),
 )
 REGRET_BOUND = 1.05
@@ -57,8 +61,14 @@ def _verdict(value: float, rounds: list[float], bound: float) -> str:
 
 
 def _row(name: str, value: float, rounds: list[float], bound: float, rule: str) -> dict:
-    return {"target": name, "value": value, "rounds": rounds, "bound": bound, "rule": rule,
-            "verdict": _verdict(value, rounds, bound)}
+    return {
+        "target": name,
+        "value": value,
+        "rounds": rounds,
+        "bound": bound,
+        "rule": rule,
+        "verdict": _verdict(value, rounds, bound),
+    }
 
 
 def _ratio_rows(rows: dict[str, dict], model: str) -> list[dict]:
@@ -68,8 +78,15 @@ def _ratio_rows(rows: dict[str, dict], model: str) -> list[dict]:
         if t.model not in ("*", model) or not (_ok(num) and _ok(den)):
             continue
         rounds = [a / b for a, b in zip(_rounds(num), _rounds(den)) if b]
-        out.append(_row(f"{model}: {t.numerator} / {t.denominator}", num["step_time_s"] / den["step_time_s"],
-                        rounds, t.bound, f"<= {t.bound:g}"))
+        out.append(
+            _row(
+                f"{model}: {t.numerator} / {t.denominator}",
+                num["step_time_s"] / den["step_time_s"],
+                rounds,
+                t.bound,
+                f"<= {t.bound:g}",
+            )
+        )
     return out
 
 
@@ -83,9 +100,15 @@ def _regret_rows(rows: dict[str, dict], model: str) -> list[dict]:
     same = {"hca", *(hca.get("regret_same_program") or [])}
     rounds = []
     for i in range(len(_rounds(hca))):
-        at = [{**r, "step_time_s": _rounds(r)[i],
-               "program_sha1": "hca" if r["contestant"] in same else r.get("program_sha1")}
-              for r in rows.values() if _ok(r) and i < len(_rounds(r))]
+        at = [
+            {
+                **r,
+                "step_time_s": _rounds(r)[i],
+                "program_sha1": "hca" if r["contestant"] in same else r.get("program_sha1"),
+            }
+            for r in rows.values()
+            if _ok(r) and i < len(_rounds(r))
+        ]
         regret = _regret(next(r for r in at if r["contestant"] == "hca"), at)["regret"]
         rounds.append(1.0 if regret is None else regret)
     return [_row(f"{model}: hca regret", hca["regret"], rounds, REGRET_BOUND, f"<= {REGRET_BOUND:g}")]
@@ -98,8 +121,15 @@ def _prediction_rows(rows: dict[str, dict], model: str) -> list[dict]:
         return []
     opt = hca.get("optimizer_time_s") or 0.0
     error = lambda step: abs(hca["est_step_s"] / (step - opt) - 1) if step > opt else float("inf")
-    return [_row(f"{model}: hca predicted step, |error|", error(hca["step_time_s"]),
-                 [error(t) for t in _rounds(hca)], PREDICTION_BOUND, f"<= {PREDICTION_BOUND:.0%}")]
+    return [
+        _row(
+            f"{model}: hca predicted step, |error|",
+            error(hca["step_time_s"]),
+            [error(t) for t in _rounds(hca)],
+            PREDICTION_BOUND,
+            f"<= {PREDICTION_BOUND:.0%}",
+        )
+    ]
 
 
 def targets(records: list) -> list[dict]:

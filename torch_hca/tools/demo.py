@@ -77,8 +77,10 @@ def run_rank(since: float | None = None) -> dict:
 
 
 def header(world_size: int) -> str:
-    return (f"torch_hca demo: GPT-style model ({LAYERS} layers, dim {DIM}, {HEADS} heads, MLP {HIDDEN},\n"
-            f"vocab {VOCAB}, tied embeddings), tensor parallel over {world_size} local gloo ranks\n")
+    return (
+        f"torch_hca demo: GPT-style model ({LAYERS} layers, dim {DIM}, {HEADS} heads, MLP {HIDDEN},\n"
+        f"vocab {VOCAB}, tied embeddings), tensor parallel over {world_size} local gloo ranks\n"
+    )
 
 
 def passed(results: list[dict]) -> bool:
@@ -88,20 +90,23 @@ def passed(results: list[dict]) -> bool:
 def summary(results: list[dict]) -> str:
     """What the demo prints once the ranks are done (lines of at most `report.WIDTH`)."""
     r = results[0]
-    return "\n".join([
-        "== DTensor program (rank 0) ==",
-        readable_code(r["program"]),
-        "\n== collectives in the compiled graphs ==",
-        r["table"],
-        "\n== summary ==",
-        f"collectives per step: forward {r['forward']}, backward {r['backward']}",
-        f"final loss {r['loss']:.6f} (single device {r['ref_loss']:.6f}) after {STEPS} Adam steps",
-        f"max gradient relative error vs single device: {max(x['grad_err'] for x in results):.2e}",
-        f"max parameter relative error after {STEPS} steps: {max(x['param_err'] for x in results):.2e}",
-        f"first call (compile + step) {r['compile_s']:.1f} s; median step {r['step_ms']:.1f} ms",
-        "PASS: gradients match a single device (rel err <= 1e-5)" if passed(results)
-        else "FAIL: gradients differ from a single device",
-    ])
+    return "\n".join(
+        [
+            "== DTensor program (rank 0) ==",
+            readable_code(r["program"]),
+            "\n== collectives in the compiled graphs ==",
+            r["table"],
+            "\n== summary ==",
+            f"collectives per step: forward {r['forward']}, backward {r['backward']}",
+            f"final loss {r['loss']:.6f} (single device {r['ref_loss']:.6f}) after {STEPS} Adam steps",
+            f"max gradient relative error vs single device: {max(x['grad_err'] for x in results):.2e}",
+            f"max parameter relative error after {STEPS} steps: {max(x['param_err'] for x in results):.2e}",
+            f"first call (compile + step) {r['compile_s']:.1f} s; median step {r['step_ms']:.1f} ms",
+            "PASS: gradients match a single device (rel err <= 1e-5)"
+            if passed(results)
+            else "FAIL: gradients differ from a single device",
+        ]
+    )
 
 
 def main(world_size: int = 2) -> int:

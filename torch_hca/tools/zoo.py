@@ -60,8 +60,12 @@ class TransformerBlock(nn.Module):
 
 # Heads split across ranks (q, k, v column-parallel, o row-parallel), MLP Megatron.
 TP_BLOCK = {
-    "attn.wq.weight": Shard(0), "attn.wk.weight": Shard(0), "attn.wv.weight": Shard(0),
-    "attn.wo.weight": Shard(1), "mlp.fc1.*": Shard(0), "mlp.fc2.weight": Shard(1),
+    "attn.wq.weight": Shard(0),
+    "attn.wk.weight": Shard(0),
+    "attn.wv.weight": Shard(0),
+    "attn.wo.weight": Shard(1),
+    "mlp.fc1.*": Shard(0),
+    "mlp.fc2.weight": Shard(1),
 }
 
 
@@ -114,8 +118,9 @@ class GPT(nn.Module):
     parameter read twice): what a sharded front end must handle without help.
     """
 
-    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, hidden: int = 64, layers: int = 2,
-                 max_len: int = 64):
+    def __init__(
+        self, vocab: int = 64, dim: int = 32, heads: int = 4, hidden: int = 64, layers: int = 2, max_len: int = 64
+    ):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(max_len, dim)
@@ -164,8 +169,18 @@ def torch_transformer(layers: int = 4, vocab: int = 512, seq: int = 64, dim: int
     GELU MLP, output tied to the token embedding), no dropout."""
     from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
 
-    return Transformer(ModelArgs(n_layers=layers, vocab_size=vocab, max_seq_len=seq, dim=dim, n_heads=heads,
-                                 dropout_p=0.0, use_attn_mask=True, weight_tying=True))
+    return Transformer(
+        ModelArgs(
+            n_layers=layers,
+            vocab_size=vocab,
+            max_seq_len=seq,
+            dim=dim,
+            n_heads=heads,
+            dropout_p=0.0,
+            use_attn_mask=True,
+            weight_tying=True,
+        )
+    )
 
 
 # FSDP-style storage: every parameter split on its first dimension (use with

@@ -42,8 +42,10 @@ class Verification:
         return not self.problems
 
     def __str__(self) -> str:
-        head = (f"{self.source}: {'verified' if self.ok else 'REJECTED'}: {self.graphs} graph(s), {self.moves} moves, "
-                f"{self.collectives} collectives, {len(self.problems)} problem(s), {self.seconds:.3f} s")
+        head = (
+            f"{self.source}: {'verified' if self.ok else 'REJECTED'}: {self.graphs} graph(s), {self.moves} moves, "
+            f"{self.collectives} collectives, {len(self.problems)} problem(s), {self.seconds:.3f} s"
+        )
         return "\n".join([head, *(f"  {p}" for p in self.problems)])
 
 
@@ -57,8 +59,10 @@ def _read(source: str | os.PathLike | dict) -> tuple[Any, str]:
     except OSError as e:
         raise StrategyError(f"hca.verify: cannot read {name!r} ({e.strerror})") from e
     except json.JSONDecodeError as e:
-        raise StrategyError(f"hca.verify: {name!r} is not valid JSON ({e.msg} at line {e.lineno}): truncated or "
-                            "hand-edited? Save it again with hca.report(compiled).save_strategy(path)") from e
+        raise StrategyError(
+            f"hca.verify: {name!r} is not valid JSON ({e.msg} at line {e.lineno}): truncated or "
+            "hand-edited? Save it again with hca.report(compiled).save_strategy(path)"
+        ) from e
 
 
 def problems(data: Any) -> list[Problem]:
@@ -73,8 +77,14 @@ def problems(data: Any) -> list[Problem]:
             try:
                 found += list(rule(graph))
             except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-                found.append(Problem(graph.where, rule.__name__, f"a malformed entry ({type(e).__name__}: {e})",
-                                     "the fields docs/strategy.md lists"))
+                found.append(
+                    Problem(
+                        graph.where,
+                        rule.__name__,
+                        f"a malformed entry ({type(e).__name__}: {e})",
+                        "the fields docs/strategy.md lists",
+                    )
+                )
     return found
 
 
@@ -94,6 +104,7 @@ def verify(strategy: str | os.PathLike | dict, *, raise_on_failure: bool = True)
         result.collectives = sum(len(g.get("collectives", [])) for g in data["graphs"] if isinstance(g, dict))
     result.seconds = time.perf_counter() - start
     if raise_on_failure and not result.ok:
-        raise StrategyError(f"hca.verify: {len(result.problems)} problem(s) in {name}:\n"
-                            + "\n".join(f"  {p}" for p in result.problems))
+        raise StrategyError(
+            f"hca.verify: {len(result.problems)} problem(s) in {name}:\n" + "\n".join(f"  {p}" for p in result.problems)
+        )
     return result

@@ -25,7 +25,9 @@ def collectives(G: Graph) -> Iterator[Problem]:
         group = G.g["groups"].get(c.get("group"))
         d = c.get("mesh_dim")
         if group is None or group.get("mesh_dim") != d or not isinstance(d, int) or not 0 <= d < len(G.sizes):
-            yield Problem(where, "group", f"group {c.get('group')} on mesh dim {d}", "a group of the file on that mesh dim")
+            yield Problem(
+                where, "group", f"group {c.get('group')} on mesh dim {d}", "a group of the file on that mesh dim"
+            )
             continue
         if c.get("group_size") != G.sizes[d]:
             yield Problem(where, "group", f"{c.get('group_size')} ranks", f"{G.sizes[d]} (mesh dim {d})")
@@ -41,8 +43,12 @@ def collectives(G: Graph) -> Iterator[Problem]:
             if pk is Kind.ALL_GATHER:
                 allowed.add("all_gather")  # gloo's all_to_all: all_gather and keep a piece, both ways
             if kind.value not in allowed:
-                yield Problem(where, "transpose pair", f"{kind.value} transposing {partner.get('kind')}",
-                              f"{' or '.join(sorted(allowed))} (the table's transpose of {partner.get('kind')})")
+                yield Problem(
+                    where,
+                    "transpose pair",
+                    f"{kind.value} transposing {partner.get('kind')}",
+                    f"{' or '.join(sorted(allowed))} (the table's transpose of {partner.get('kind')})",
+                )
         if c.get("direction") == "backward":
             yield from _owed(G, where, c, kind, d)
 
@@ -62,16 +68,22 @@ def _owed(G: Graph, where: str, c: dict, kind: Kind, d: int) -> Iterator[Problem
         return
     owed = set().union(*(backward_kinds(letter(a), letter(b)) for a, b in pairs))
     if kind not in owed:
-        yield Problem(where, "cotangent reduction owed", f"{kind.value} in the backward of {origin!r} {pairs}",
-                      f"one of {sorted(k.value for k in owed) or ['no collective']}")
+        yield Problem(
+            where,
+            "cotangent reduction owed",
+            f"{kind.value} in the backward of {origin!r} {pairs}",
+            f"one of {sorted(k.value for k in owed) or ['no collective']}",
+        )
 
 
 def _varies(G: Graph, name: str, d: int) -> bool:
     """Whether the cotangent of replicated value `name` surely differs per rank on mesh dim `d`:
     some reader writes a shard there (its cotangent comes back sharded, so this one is partial).
     Readers that stay replicated are not followed: "not sure" never raises a problem."""
-    return any(name in v.get("reads", []) and (v.get("placements") or [""] * (d + 1))[d].startswith("S")
-               for v in G.values.values())
+    return any(
+        name in v.get("reads", []) and (v.get("placements") or [""] * (d + 1))[d].startswith("S")
+        for v in G.values.values()
+    )
 
 
 def owed(G: Graph) -> Iterator[Problem]:
@@ -81,25 +93,39 @@ def owed(G: Graph) -> Iterator[Problem]:
     for node, m in G.moves.items():
         for s in m.get("steps", []):
             d = s.get("mesh_dim")
-            if s.get("kind") == "all_gather" and (m.get("dst") or [])[d] == "R" and _varies(G, node, d) \
-                    and s.get("backward") is None:
-                yield Problem(f"{G.where}, move {node!r} of {m.get('value')!r}, mesh dim {d}", "nothing owed is missing",
-                              "no backward collective", f"{RULES[Kind.ALL_GATHER].transpose.value}: its readers write "
-                              f"shards on mesh dim {d}, so its cotangent is partial")
+            if (
+                s.get("kind") == "all_gather"
+                and (m.get("dst") or [])[d] == "R"
+                and _varies(G, node, d)
+                and s.get("backward") is None
+            ):
+                yield Problem(
+                    f"{G.where}, move {node!r} of {m.get('value')!r}, mesh dim {d}",
+                    "nothing owed is missing",
+                    "no backward collective",
+                    f"{RULES[Kind.ALL_GATHER].transpose.value}: its readers write "
+                    f"shards on mesh dim {d}, so its cotangent is partial",
+                )
     origins = {(c.get("origin"), c.get("mesh_dim")) for c in G.collectives.values() if c.get("direction") == "backward"}
     for name, p in G.values.items():
         if p.get("kind") != "parameter" or p.get("cotangent_role") != "eager":
             continue
         # The parameter's read, and the eager-gradient reads the compiler marks with the same layout.
-        reads = [name] + [n for n, v in G.values.items() if v.get("reads") == [name] and v.get("kind") == "op"
-                          and v.get("placements") == p.get("placements")]
+        reads = [name] + [
+            n
+            for n, v in G.values.items()
+            if v.get("reads") == [name] and v.get("kind") == "op" and v.get("placements") == p.get("placements")
+        ]
         for d, placement in enumerate(p.get("placements") or []):
             varying = [r for r in reads if _varies(G, r, d)]
             if placement == "R" and varying and not any((r, d) in origins for r in reads):
-                yield Problem(f"{G.where}, value {name!r} (parameter {p.get('parameter')!r}), mesh dim {d}",
-                              "nothing owed is missing", "no gradient reduction in the backward",
-                              f"an all_reduce (eager role): {varying[0]!r} is read by an op that writes shards on "
-                              f"mesh dim {d}, so the gradient is partial")
+                yield Problem(
+                    f"{G.where}, value {name!r} (parameter {p.get('parameter')!r}), mesh dim {d}",
+                    "nothing owed is missing",
+                    "no gradient reduction in the backward",
+                    f"an all_reduce (eager role): {varying[0]!r} is read by an op that writes shards on "
+                    f"mesh dim {d}, so the gradient is partial",
+                )
 
 
 def issued(G: Graph) -> Iterator[Problem]:
@@ -110,24 +136,33 @@ def issued(G: Graph) -> Iterator[Problem]:
         kind = kind_of(i.get("kind"))
         members = [G.collectives.get(m) for m in i.get("members", [])]
         if kind is None or None in members or not members:
-            yield Problem(where, "issued", f"{i.get('kind')} of {i.get('members')}", "a known kind of collectives of this graph")
+            yield Problem(
+                where, "issued", f"{i.get('kind')} of {i.get('members')}", "a known kind of collectives of this graph"
+            )
             continue
         for m in members:
             if seen.setdefault(m["id"], iid) != iid or m.get("issued_as") != iid:
                 yield Problem(where, "issued once", f"{m['id']} issued as {m.get('issued_as')}", f"{iid} alone")
             for key in ("kind", "group", "direction"):
                 if m.get(key) != i.get(key):
-                    yield Problem(where, "issued", f"member {m['id']} {key} {m.get(key)}", f"{i.get(key)} (the issue's)")
+                    yield Problem(
+                        where, "issued", f"member {m['id']} {key} {m.get(key)}", f"{i.get(key)} (the issue's)"
+                    )
         total = sum(m.get("bytes", 0) for m in members)
         if i.get("bytes") != total:
             yield Problem(where, "bytes", i.get("bytes"), f"{total} (the sum of its {len(members)} collective(s))")
         d = i.get("mesh_dim")
-        if isinstance(d, int) and 0 <= d < len(G.sizes) and not math.isclose(
-                i.get("wire_bytes", -1), bytes_per_rank(kind, i.get("bytes", 0), G.sizes[d])):
+        if (
+            isinstance(d, int)
+            and 0 <= d < len(G.sizes)
+            and not math.isclose(i.get("wire_bytes", -1), bytes_per_rank(kind, i.get("bytes", 0), G.sizes[d]))
+        ):
             yield Problem(where, "wire bytes", i.get("wire_bytes"), bytes_per_rank(kind, i.get("bytes", 0), G.sizes[d]))
     for cid in G.collectives:
         if cid not in seen:
-            yield Problem(f"{G.where}, collective {cid!r}", "issued once", "never issued", "issued alone or in a bucket")
+            yield Problem(
+                f"{G.where}, collective {cid!r}", "issued once", "never issued", "issued alone or in a bucket"
+            )
 
 
 def groups(G: Graph) -> Iterator[Problem]:
@@ -136,13 +171,22 @@ def groups(G: Graph) -> Iterator[Problem]:
     for name, grp in G.g["groups"].items():
         where = f"{G.where}, group {name!r}"
         d = grp.get("mesh_dim")
-        if isinstance(d, int) and 0 <= d < len(G.sizes) and grp.get("participants") != dim_groups(G.data["mesh"]["ranks"], d):
+        if (
+            isinstance(d, int)
+            and 0 <= d < len(G.sizes)
+            and grp.get("participants") != dim_groups(G.data["mesh"]["ranks"], d)
+        ):
             yield Problem(where, "participants", grp.get("participants"), dim_groups(G.data["mesh"]["ranks"], d))
         for direction in ("forward", "backward"):
             program = [iid for iid, c in G.issued.items() if c.get("group") == name and c.get("direction") == direction]
             order = grp.get(direction, [])
             if order != program:
-                first = next((i for i, (a, b) in enumerate(zip(order, program)) if a != b), min(len(order), len(program)))
-                yield Problem(f"{where}, {direction}", "group order",
-                              f"position {first}: {order[first] if first < len(order) else 'nothing'}",
-                              f"{program[first] if first < len(program) else 'nothing'} (the program's issue order)")
+                first = next(
+                    (i for i, (a, b) in enumerate(zip(order, program)) if a != b), min(len(order), len(program))
+                )
+                yield Problem(
+                    f"{where}, {direction}",
+                    "group order",
+                    f"position {first}: {order[first] if first < len(order) else 'nothing'}",
+                    f"{program[first] if first < len(program) else 'nothing'} (the program's issue order)",
+                )

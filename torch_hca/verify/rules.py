@@ -55,6 +55,7 @@ def dim_groups(ranks: Any, dim: int) -> list[list[int]]:
 
 # ----------------------------------------------------------------------------- the file as a whole
 
+
 def structure(data: Any) -> list[Problem]:
     """Schema and version, the fields every later rule reads."""
     if not isinstance(data, dict):
@@ -62,10 +63,15 @@ def structure(data: Any) -> list[Problem]:
     if data.get("schema") != SCHEMA:
         return [Problem("file", "schema", data.get("schema"), SCHEMA)]
     if data.get("version") != VERSION:
-        return [Problem("file", "schema version", data.get("version"), f"{VERSION} (the only version this verifier reads)")]
+        return [
+            Problem("file", "schema version", data.get("version"), f"{VERSION} (the only version this verifier reads)")
+        ]
     need = {"mesh": dict, "world_size": int, "model": dict, "graphs": list}
-    bad = [Problem("file", "schema", f"{k}: {type(data.get(k)).__name__}", t.__name__)
-           for k, t in need.items() if not isinstance(data.get(k), t)]
+    bad = [
+        Problem("file", "schema", f"{k}: {type(data.get(k)).__name__}", t.__name__)
+        for k, t in need.items()
+        if not isinstance(data.get(k), t)
+    ]
     for i, g in enumerate(data.get("graphs") or []):
         for k in ("values", "moves", "collectives", "issued", "groups", "outputs"):
             if not isinstance(g, dict) or k not in g:
@@ -77,25 +83,40 @@ def mesh_and_model(data: dict) -> list[Problem]:
     mesh, problems = data["mesh"], []
     shape = list(mesh.get("shape") or [])
     if math.prod(shape) != data["world_size"]:
-        problems.append(Problem("mesh", "world size", f"world_size {data['world_size']}",
-                                f"{math.prod(shape)} (the product of mesh shape {shape})"))
+        problems.append(
+            Problem(
+                "mesh",
+                "world size",
+                f"world_size {data['world_size']}",
+                f"{math.prod(shape)} (the product of mesh shape {shape})",
+            )
+        )
     ranks = mesh.get("ranks")
     try:
         t = torch.tensor(ranks)
         if list(t.shape) != shape or sorted(t.flatten().tolist()) != list(range(math.prod(shape))):
-            problems.append(Problem("mesh", "mesh ranks", ranks, f"each rank 0..{math.prod(shape) - 1} once, shaped {shape}"))
+            problems.append(
+                Problem("mesh", "mesh ranks", ranks, f"each rank 0..{math.prod(shape) - 1} once, shaped {shape}")
+            )
     except (TypeError, ValueError, RuntimeError):
         problems.append(Problem("mesh", "mesh ranks", ranks, f"nested rank lists shaped {shape}"))
     model = data["model"]
     body = {k: v for k, v in model.items() if k != "digest"}
     digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
     if model.get("digest") != digest:
-        problems.append(Problem("model", "model digest", model.get("digest"),
-                                f"{digest} (the digest of the model section: stale or hand-edited)"))
+        problems.append(
+            Problem(
+                "model",
+                "model digest",
+                model.get("digest"),
+                f"{digest} (the digest of the model section: stale or hand-edited)",
+            )
+        )
     return problems
 
 
 # ----------------------------------------------------------------------------- one graph
+
 
 class Graph:
     """One graph of the file, with the mesh: what the rules look up."""
@@ -117,8 +138,11 @@ def placements(G: Graph) -> Iterator[Problem]:
     """Every placement parses, one per mesh dim, and shards divide the logical shape evenly."""
     for name, v in G.values.items():
         ps, shape = v.get("placements"), v.get("shape") or []
-        if not isinstance(ps, list) or len(ps) != len(G.sizes) or not all(
-                isinstance(p, str) and _PLACEMENT.fullmatch(p) for p in ps):
+        if (
+            not isinstance(ps, list)
+            or len(ps) != len(G.sizes)
+            or not all(isinstance(p, str) and _PLACEMENT.fullmatch(p) for p in ps)
+        ):
             yield Problem(G.at(name), "placement", ps, f"one of R, S(d), P(sum) per mesh dim ({len(G.sizes)})")
             continue
         cuts: dict[int, int] = {}
@@ -131,8 +155,12 @@ def placements(G: Graph) -> Iterator[Problem]:
                 cuts[d] = cuts.get(d, 1) * G.sizes[m]
         for d, n in cuts.items():
             if shape[d] % n:
-                yield Problem(G.at(name), "shard divides", f"shape {shape} split {n} ways on dim {d}",
-                              f"a size divisible by {n} on dim {d}")
+                yield Problem(
+                    G.at(name),
+                    "shard divides",
+                    f"shape {shape} split {n} ways on dim {d}",
+                    f"a size divisible by {n} on dim {d}",
+                )
 
 
 def parameters(G: Graph) -> Iterator[Problem]:
@@ -145,8 +173,12 @@ def parameters(G: Graph) -> Iterator[Problem]:
         if p is None:
             yield Problem(G.at(name), "parameter storage", v.get("parameter"), "a parameter of the model section")
         elif (p.get("placements"), p.get("shape")) != (v.get("placements"), v.get("shape")):
-            yield Problem(G.at(name), "parameter storage", f"{v.get('placements')} {v.get('shape')}",
-                          f"{p.get('placements')} {p.get('shape')} (model section, {v.get('parameter')})")
+            yield Problem(
+                G.at(name),
+                "parameter storage",
+                f"{v.get('placements')} {v.get('shape')}",
+                f"{p.get('placements')} {p.get('shape')} (model section, {v.get('parameter')})",
+            )
 
 
 def partial_reduced(G: Graph) -> Iterator[Problem]:
@@ -161,9 +193,12 @@ def partial_reduced(G: Graph) -> Iterator[Problem]:
                 continue
             for m, (a, b) in enumerate(zip(u.get("placements") or [], v.get("placements") or [])):
                 if a.startswith("P") and not b.startswith("P"):
-                    yield Problem(G.at(name), "partial reduced before use",
-                                  f"{v.get('op')} reads {read!r} as {a} on mesh dim {m} and writes {b}",
-                                  f"a move reducing {read!r} ({a} -> R or S) before {name!r} reads it")
+                    yield Problem(
+                        G.at(name),
+                        "partial reduced before use",
+                        f"{v.get('op')} reads {read!r} as {a} on mesh dim {m} and writes {b}",
+                        f"a move reducing {read!r} ({a} -> R or S) before {name!r} reads it",
+                    )
 
 
 def moves(G: Graph) -> Iterator[Problem]:
@@ -186,7 +221,9 @@ def moves(G: Graph) -> Iterator[Problem]:
         changed = [d for d, (a, b) in enumerate(zip(src, dst)) if a != b]
         steps = m.get("steps", [])
         if [s.get("mesh_dim") for s in steps] != changed:
-            yield Problem(where, "move steps", [s.get("mesh_dim") for s in steps], f"one step per changed mesh dim {changed}")
+            yield Problem(
+                where, "move steps", [s.get("mesh_dim") for s in steps], f"one step per changed mesh dim {changed}"
+            )
             continue
         for s in steps:
             yield from _step(G, where, value, s)
@@ -209,23 +246,33 @@ def _step(G: Graph, where: str, value: dict, s: dict) -> Iterator[Problem]:
     payload //= math.prod(G.sizes[e] for e, p in enumerate(src) if e != d and p.startswith("S"))
     payload //= G.sizes[d] if kind is Kind.ALL_TO_ALL else 1
     if s.get("bytes") != payload:
-        yield Problem(where, "bytes", s.get("bytes"), f"{payload} ({kind.value} of {value.get('shape')} {value.get('dtype')})")
+        yield Problem(
+            where, "bytes", s.get("bytes"), f"{payload} ({kind.value} of {value.get('shape')} {value.get('dtype')})"
+        )
     wire = bytes_per_rank(kind, payload, G.sizes[d])
     if not math.isclose(s.get("wire_bytes", -1), wire):
         yield Problem(where, "wire bytes", s.get("wire_bytes"), wire)
     if s.get("transpose") != RULES[kind].transpose.value:
-        yield Problem(where, "transpose", s.get("transpose"), f"{RULES[kind].transpose.value} (the transpose of {kind.value})")
+        yield Problem(
+            where, "transpose", s.get("transpose"), f"{RULES[kind].transpose.value} (the transpose of {kind.value})"
+        )
     owed = backward_kinds(letter(a), letter(b))
     if s.get("backward") is not None and kind_of(s["backward"]) not in owed:
         yield Problem(where, "backward owed", s["backward"], f"one of {sorted(k.value for k in owed)} or none")
     c = G.collectives.get(s.get("collective"))
     if c is None:
-        yield Problem(where, "move issues its collective", s.get("collective"), f"the id of the forward {kind.value} it issues")
+        yield Problem(
+            where, "move issues its collective", s.get("collective"), f"the id of the forward {kind.value} it issues"
+        )
         return
     for key, should in (("kind", kind.value), ("mesh_dim", d), ("bytes", payload), ("direction", "forward")):
         if c.get(key) != should and not (key == "kind" and kind is Kind.ALL_TO_ALL and c.get(key) == "all_gather"):
             yield Problem(where, "emitted collective", f"{c.get('id')} {key} {c.get(key)}", should)
     partner = G.collectives.get(c.get("partner"))
     if (partner or {}).get("kind") != s.get("backward"):
-        yield Problem(where, "backward owed", f"backward {s.get('backward')}",
-                      f"{(partner or {}).get('kind')} (the kind of {c.get('id')}'s partner {c.get('partner')})")
+        yield Problem(
+            where,
+            "backward owed",
+            f"backward {s.get('backward')}",
+            f"{(partner or {}).get('kind')} (the kind of {c.get('id')}'s partner {c.get('partner')})",
+        )

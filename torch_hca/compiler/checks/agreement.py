@@ -41,8 +41,12 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from torch_hca._torch_private import (graph_arg_example, graph_arg_is_python_scalar, graph_arg_is_tensor_property,
-                             graph_arg_source)
+from torch_hca._torch_private import (
+    graph_arg_example,
+    graph_arg_is_python_scalar,
+    graph_arg_is_tensor_property,
+    graph_arg_source,
+)
 from torch_hca.errors import CheckError
 from torch_hca.spmd.placements import dtype_str
 from torch_hca.runtime.exchange import needs_exchange, post
@@ -188,8 +192,10 @@ class InputAgreement:
             return None
         digest = first or self.mode == "values"
         generators = generator_digest(self.mesh.device_type) if digest and self.draws else "-"
-        text = "\n".join([f"{self.what}\t{self.program}\t{generators}"]
-                         + ["\t".join(_describe_value(args[i.index], digest)) for i in self.inputs])
+        text = "\n".join(
+            [f"{self.what}\t{self.program}\t{generators}"]
+            + ["\t".join(_describe_value(args[i.index], digest)) for i in self.inputs]
+        )
         posted = post("step", text, range(dist.get_world_size()))
 
         def verify() -> None:
@@ -199,8 +205,9 @@ class InputAgreement:
             ranks = sorted(texts)
             lines = {r: texts[r].split("\n") for r in ranks}
             for a in ranks:
-                for b in ranks[ranks.index(a) + 1:]:
+                for b in ranks[ranks.index(a) + 1 :]:
                     self._compare(a, lines[a], b, lines[b])
+
         return verify
 
     def _compare(self, a: int, ours: list[str], b: int, theirs: list[str]) -> None:

@@ -73,8 +73,10 @@ def _describe(t: torch.Tensor) -> str:
 
 def history_cut(args: list[Any]) -> list[Any]:
     """`args` with their history cut (a previous graph's outputs): a pull-back stops at this graph."""
-    return [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) and a.grad_fn is not None else a
-            for a in args]
+    return [
+        a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) and a.grad_fn is not None else a
+        for a in args
+    ]
 
 
 def restorer(args: list[Any]) -> Callable[[], None]:
@@ -87,6 +89,7 @@ def restorer(args: list[Any]) -> Callable[[], None]:
             for a, before in saved:  # only what a run changed (a graph's inputs may be views)
                 if a.shape == before.shape and not torch.equal(a, before):
                     a.copy_(before)
+
     return restore
 
 
@@ -109,8 +112,10 @@ def check_refinement(logical: fx.GraphModule, compiled: Callable, args: list[Any
     try:
         # The logical program updates its own copies of buffers (running statistics): the
         # compiled program's in-place updates must not touch what the logical one saved.
-        mine = [a.clone() if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and not a.requires_grad else a
-                for a in args]
+        mine = [
+            a.clone() if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and not a.requires_grad else a
+            for a in args
+        ]
         with torch.enable_grad():
             expected = logical(*mine)
             set_generator_states(device_type, generators)
@@ -120,9 +125,11 @@ def check_refinement(logical: fx.GraphModule, compiled: Callable, args: list[Any
         for i, e, g in pairs:
             errors[f"output {i}"] = err = _rel_err(_whole(g), _whole(e))
             if err > tol:
-                raise CheckError(f"{what}: output {i} ({_describe(g)}, shape {tuple(g.shape)}) differs from the "
-                                 f"single-device program by {err:.3g} (relative){beyond}; the compiled program is "
-                                 "wrong here")
+                raise CheckError(
+                    f"{what}: output {i} ({_describe(g)}, shape {tuple(g.shape)}) differs from the "
+                    f"single-device program by {err:.3g} (relative){beyond}; the compiled program is "
+                    "wrong here"
+                )
         diff = [(e, g) for _, e, g in pairs if e.requires_grad and g.requires_grad and e.is_floating_point()]
         if not diff or not leaves:
             return errors
@@ -137,12 +144,15 @@ def check_refinement(logical: fx.GraphModule, compiled: Callable, args: list[Any
             if w is None and h is None:
                 continue
             if (w is None) != (h is None):
-                raise CheckError(f"{what}: the gradient of {name} is {'missing' if h is None else 'extra'} in the "
-                                 "compiled program")
+                raise CheckError(
+                    f"{what}: the gradient of {name} is {'missing' if h is None else 'extra'} in the compiled program"
+                )
             errors[f"grad {name}"] = err = _rel_err(h, w, floor)
             if err > tol:
-                raise CheckError(f"{what}: the gradient of {name} ({_describe(leaf)} storage, gradient {_describe(placed)}) "
-                                 f"differs from the single-device program by {err:.3g} (relative){beyond}")
+                raise CheckError(
+                    f"{what}: the gradient of {name} ({_describe(leaf)} storage, gradient {_describe(placed)}) "
+                    f"differs from the single-device program by {err:.3g} (relative){beyond}"
+                )
         return errors
     finally:
         restore()

@@ -46,8 +46,10 @@ def _bound(node: fx.Node):
     schema = _schema(node)
     if schema is None:
         return []
-    return [(arg, node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
-            for i, arg in enumerate(schema.arguments)]
+    return [
+        (arg, node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
+        for i, arg in enumerate(schema.arguments)
+    ]
 
 
 def _writes(node: fx.Node) -> list[fx.Node]:
@@ -108,11 +110,11 @@ class _Leases:
 
     def __init__(self, what: str):
         self.what = what
-        self.root: dict[fx.Node, fx.Node] = {}        # view -> the value it aliases
-        self.pending: dict[fx.Node, fx.Node] = {}     # unwaited result -> its collective
-        self.held: dict[fx.Node, set[fx.Node]] = {}   # collective -> roots of its inputs
-        self.split: set[fx.Node] = set()              # coalesced collectives taken apart by getitem
-        self.left: dict[fx.Node, int] = {}            # collective -> results still to wait on
+        self.root: dict[fx.Node, fx.Node] = {}  # view -> the value it aliases
+        self.pending: dict[fx.Node, fx.Node] = {}  # unwaited result -> its collective
+        self.held: dict[fx.Node, set[fx.Node]] = {}  # collective -> roots of its inputs
+        self.split: set[fx.Node] = set()  # coalesced collectives taken apart by getitem
+        self.left: dict[fx.Node, int] = {}  # collective -> results still to wait on
 
     def base(self, n: fx.Node) -> fx.Node:
         return self.root.get(n, n)
@@ -145,7 +147,9 @@ class _Leases:
     def write(self, node: fx.Node, buf: fx.Node) -> None:
         for coll, roots in self.held.items():
             if self.base(buf) in roots:
-                raise CheckError(f"schedule check ({self.what}): {node.name} writes {buf.name} while {coll.name} holds it")
+                raise CheckError(
+                    f"schedule check ({self.what}): {node.name} writes {buf.name} while {coll.name} holds it"
+                )
 
 
 def check_order(gm: fx.GraphModule, what: str = "graph") -> ScheduleSummary:
@@ -189,8 +193,9 @@ def _same_nodes(before: fx.Graph, after: fx.Graph, what: str) -> None:
     missing = [name for name in old if name not in new]
     extra = [name for name in new if name not in old]
     if missing or extra:
-        raise CheckError(f"schedule check ({what}): the reorder must keep the same nodes; "
-                         f"missing {missing[:3]}, added {extra[:3]}")
+        raise CheckError(
+            f"schedule check ({what}): the reorder must keep the same nodes; missing {missing[:3]}, added {extra[:3]}"
+        )
     for name, node in old.items():
         if _shape(node) != _shape(new[name]):
             raise CheckError(f"schedule check ({what}): node {name} changed: {_shape(node)} became {_shape(new[name])}")
@@ -199,8 +204,10 @@ def _same_nodes(before: fx.Graph, after: fx.Graph, what: str) -> None:
         raise CheckError(f"schedule check ({what}): {order[-1]} runs after the output; the output must stay last")
     places = lambda g: [n.name for n in g.nodes if n.op == "placeholder"]  # noqa: E731
     if places(before) != places(after):
-        raise CheckError(f"schedule check ({what}): the inputs were reordered "
-                         f"({places(before)} became {places(after)}); the calling convention must not change")
+        raise CheckError(
+            f"schedule check ({what}): the inputs were reordered "
+            f"({places(before)} became {places(after)}); the calling convention must not change"
+        )
 
 
 def _group_sequences(graph: fx.Graph) -> dict[str, list[str]]:
@@ -216,8 +223,10 @@ def _same_group_orders(before: fx.Graph, after: fx.Graph, what: str) -> None:
     for group, seq in old.items():
         for i, (a, b) in enumerate(zip(seq, new[group])):
             if a != b:
-                raise CheckError(f"schedule check ({what}): group {group} issues {b} as its collective #{i}, "
-                                 f"where every rank expects {a}; collectives of one group must keep their order")
+                raise CheckError(
+                    f"schedule check ({what}): group {group} issues {b} as its collective #{i}, "
+                    f"where every rank expects {a}; collectives of one group must keep their order"
+                )
 
 
 def _collective_of(arg) -> fx.Node | None:
@@ -268,9 +277,11 @@ def _conflicts_kept(before: fx.Graph, after: fx.Graph, what: str) -> None:
             for prev in earlier:
                 if pos[prev] > pos[name]:
                     verb = "writes" if is_write else "reads"
-                    raise CheckError(f"schedule check ({what}): {name} now runs before {prev}, but {name} {verb} "
-                                     f"{buf} which {prev} {'writes' if prev == last_write else 'reads'}; "
-                                     f"accesses that conflict must keep their order")
+                    raise CheckError(
+                        f"schedule check ({what}): {name} now runs before {prev}, but {name} {verb} "
+                        f"{buf} which {prev} {'writes' if prev == last_write else 'reads'}; "
+                        f"accesses that conflict must keep their order"
+                    )
             if is_write:
                 last_write, readers = name, []
             else:

@@ -54,7 +54,9 @@ def check_same_collectives(mine: dict[str, list[str]], what: str) -> None:
                 if b in in_group.get((a, group), ()) and theirs != seq:
                     first, second = (a, b) if a < b else (b, a)
                     seqs = {a: seq, b: theirs}
-                    raise CheckError(_describe_difference(f"{what}, group {group}", first, seqs[first], second, seqs[second]))
+                    raise CheckError(
+                        _describe_difference(f"{what}, group {group}", first, seqs[first], second, seqs[second])
+                    )
 
 
 def _describe_difference(what: str, rank: int, mine: list[str], other: int, theirs: list[str]) -> str:

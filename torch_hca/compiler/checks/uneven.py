@@ -32,8 +32,21 @@ from torch_hca.errors import UnsupportedError
 from torch_hca.spmd.collective_nodes import OPS, node_group
 
 # Ops that read a symbolic size only as a size: the program's shapes follow it, not its values.
-SIZE_METHODS = {"view", "reshape", "expand", "new_empty", "new_zeros", "new_ones", "unflatten", "flatten", "size",
-                "repeat", "expand_as", "view_as", "reshape_as"}
+SIZE_METHODS = {
+    "view",
+    "reshape",
+    "expand",
+    "new_empty",
+    "new_zeros",
+    "new_ones",
+    "unflatten",
+    "flatten",
+    "size",
+    "repeat",
+    "expand_as",
+    "view_as",
+    "reshape_as",
+}
 # ``arange`` too: its values index the rows of the program's own whole (HF builds masks from
 # ``arange(batch)``), and indexing a piece of another rank's rows would gather, which
 # `check_forward_collectives` refuses.
@@ -82,17 +95,23 @@ def drop_whole_slices(gm: fx.GraphModule) -> None:
     for node in list(gm.graph.find_nodes(op="call_function", target=operator.getitem)):
         source, index = node.args
         index = index if isinstance(index, tuple) else (index,)
-        whole = all(i is None or isinstance(i, slice) and i.start in (None, 0) and i.stop is None
-                    and i.step in (None, 1) for i in index)
-        if not (isinstance(source, fx.Node) and isinstance(source.meta.get("example_value"), torch.Tensor)
-                and index and whole):
+        whole = all(
+            i is None or isinstance(i, slice) and i.start in (None, 0) and i.stop is None and i.step in (None, 1)
+            for i in index
+        )
+        if not (
+            isinstance(source, fx.Node)
+            and isinstance(source.meta.get("example_value"), torch.Tensor)
+            and index
+            and whole
+        ):
             continue
         value = source
         with gm.graph.inserting_before(node):
             for position, i in enumerate(index):
                 if i is None:
                     value = gm.graph.call_function(torch.unsqueeze, (value, position))
-                    value.meta.update({k: v for k, v in node.meta.items() if k not in ('example_value', 'val')})
+                    value.meta.update({k: v for k, v in node.meta.items() if k not in ("example_value", "val")})
         node.replace_all_uses_with(value)
         gm.graph.erase_node(node)
     gm.recompile()
@@ -110,8 +129,11 @@ def check_sizes_only_shape(gm: fx.GraphModule) -> None:
     symbolic = {n for n in gm.graph.nodes if _symbolic(n.meta.get("example_value"))}
     for node in symbolic:
         for user in node.users:
-            if user in symbolic or user.target in SIZE_FUNCTIONS \
-                    or (user.op == "call_method" and user.target in SIZE_METHODS):
+            if (
+                user in symbolic
+                or user.target in SIZE_FUNCTIONS
+                or (user.op == "call_method" and user.target in SIZE_METHODS)
+            ):
                 continue
             raise UnsupportedError(
                 f"uneven shares: {user.name} computes with the size of the unevenly cut dimension "
@@ -154,8 +176,12 @@ def weight_partial_means(gm: fx.GraphModule, uneven: UnevenShares) -> list[str]:
         value = node.meta.get("example_value")
         if not isinstance(value, DTensor) or not _is_mean(value.placements[uneven.mesh_dim]):
             continue
-        movers = [u for u in node.users if u.target in (dtensor_ops.to_output, dtensor_ops.redistribute)
-                  and not _is_mean(u.args[1][uneven.mesh_dim])]
+        movers = [
+            u
+            for u in node.users
+            if u.target in (dtensor_ops.to_output, dtensor_ops.redistribute)
+            and not _is_mean(u.args[1][uneven.mesh_dim])
+        ]
         if not movers:
             continue
         with gm.graph.inserting_after(node):

@@ -48,10 +48,43 @@ FIXED_READS: dict[Callable, Callable[[fx.Node, DeviceMesh], Layout]] = {
 # Ops linear in each argument, whose DTensor rules are trusted with Partial inputs. A rule is
 # not trusted otherwise: DTensor's convolution rule accepts a partial weight and bias and
 # returns conv(x, W/n) + b/n on each rank, which sums to the wrong value.
-PARTIAL_OK = {"add", "iadd", "sub", "isub", "neg", "mul", "imul", "truediv", "div", "sum", "matmul", "mm", "bmm",
-              "linear", "addmm", "baddbmm", "cat", "stack", "view", "reshape", "transpose", "permute", "unsqueeze",
-              "squeeze", "expand", "flatten", "t", "contiguous", "narrow", "select", "getitem", "clone", "to",
-              "float", "type_as"}
+PARTIAL_OK = {
+    "add",
+    "iadd",
+    "sub",
+    "isub",
+    "neg",
+    "mul",
+    "imul",
+    "truediv",
+    "div",
+    "sum",
+    "matmul",
+    "mm",
+    "bmm",
+    "linear",
+    "addmm",
+    "baddbmm",
+    "cat",
+    "stack",
+    "view",
+    "reshape",
+    "transpose",
+    "permute",
+    "unsqueeze",
+    "squeeze",
+    "expand",
+    "flatten",
+    "t",
+    "contiguous",
+    "narrow",
+    "select",
+    "getitem",
+    "clone",
+    "to",
+    "float",
+    "type_as",
+}
 
 
 # Ops whose DTensor rules are not trusted with any split: read whole on every rank. Batch
@@ -71,7 +104,9 @@ def offered_read(name: str, slot: int, layout: Layout) -> bool:
     if name in REPLICATED_ONLY:
         return whole
     if name in BATCH_SPLIT_ONLY:
-        return whole or slot == 0 and all(isinstance(p, Replicate) or isinstance(p, Shard) and p.dim == 0 for p in layout)
+        return (
+            whole or slot == 0 and all(isinstance(p, Replicate) or isinstance(p, Shard) and p.dim == 0 for p in layout)
+        )
     return name in PARTIAL_OK or not any(isinstance(p, Partial) for p in layout)
 
 
@@ -80,15 +115,13 @@ def op_name(node: fx.Node) -> str:
     return t if isinstance(t, str) else getattr(t, "__name__", "")
 
 
-
-
 @dataclass(frozen=True)
 class Strategy:
     inputs: tuple[Layout, ...]  # one per DTensor input (the op's `slots`)
     output: Layout
-    varying: tuple[bool, ...]   # per mesh dimension: the op's work is split over it
-    compute_s: float            # forward + backward
-    memory_bytes: float         # this rank's bytes of the result
+    varying: tuple[bool, ...]  # per mesh dimension: the op's work is split over it
+    compute_s: float  # forward + backward
+    memory_bytes: float  # this rank's bytes of the result
 
 
 @dataclass
@@ -98,11 +131,11 @@ class Op:
     node: fx.Node
     slots: list[fx.Node]
     strategies: list[Strategy]
-    fixed: str | None = None        # why there is a single choice
+    fixed: str | None = None  # why there is a single choice
     redistributes_itself: bool = False  # an explicit `.redistribute` in the user's program
     requires_grad: bool = False
-    value: Any = None               # the fake DTensor Dynamo traced
-    is_parameter: bool = False      # its moves and gradient reductions are bucketed
+    value: Any = None  # the fake DTensor Dynamo traced
+    is_parameter: bool = False  # its moves and gradient reductions are bucketed
 
 
 # ----------------------------------------------------------------------------- candidates
@@ -114,7 +147,6 @@ def split_factor(p: Placement, n: int) -> int:
 
 def value_bytes(v: Any) -> float:
     return float(nbytes(v))
-
 
 
 def candidate_layouts(value: DTensor, mesh: DeviceMesh, storage: Layout | None) -> list[Layout]:
@@ -130,8 +162,12 @@ def candidate_layouts(value: DTensor, mesh: DeviceMesh, storage: Layout | None) 
         return list(dict.fromkeys(itertools.product(*options)))
     shape = value.shape
     # On a mesh dim of one rank every placement holds the same data: read it replicated.
-    per_dim = [[Replicate(), Partial()] + [Shard(d) for d in range(len(shape)) if _divides(shape[d], n)]
-               if n > 1 else [Replicate()] for n in mesh.shape]
+    per_dim = [
+        [Replicate(), Partial()] + [Shard(d) for d in range(len(shape)) if _divides(shape[d], n)]
+        if n > 1
+        else [Replicate()]
+        for n in mesh.shape
+    ]
     layouts = []
     for layout in itertools.product(*per_dim):
         ways = {}
@@ -147,16 +183,25 @@ def _divides(size: Any, n: int) -> bool:
     return isinstance(size, int) and size % n == 0 and size >= n
 
 
-def _smallest_matmul_dim(first: int, inputs: list[Any], out: Any, layouts: tuple[Layout, ...], out_layout: Layout,
-                         mesh_shape: tuple[int, ...]) -> float | None:
+def _smallest_matmul_dim(
+    first: int,
+    inputs: list[Any],
+    out: Any,
+    layouts: tuple[Layout, ...],
+    out_layout: Layout,
+    mesh_shape: tuple[int, ...],
+) -> float | None:
     """`smallest_matmul_dim` of this rank's pieces under these layouts (`first`: the position of the
     first matmul operand). The backward's two matmuls have the same three dimensions, so one
     figure serves the forward and backward."""
     if not (len(inputs) > first and getattr(inputs[first], "ndim", 0) >= 1 and getattr(out, "ndim", 0) >= 1):
         return None
     against_weight = len(inputs) > first + 1 and getattr(inputs[first + 1], "ndim", 0) == 2
-    return smallest_matmul_dim(local_shape(inputs[first].shape, layouts[first], mesh_shape),
-                               local_shape(out.shape, out_layout, mesh_shape), against_weight)
+    return smallest_matmul_dim(
+        local_shape(inputs[first].shape, layouts[first], mesh_shape),
+        local_shape(out.shape, out_layout, mesh_shape),
+        against_weight,
+    )
 
 
 # ----------------------------------------------------------------------------- the program as ops
@@ -166,8 +211,13 @@ def _smallest_matmul_dim(first: int, inputs: list[Any], out: Any, layouts: tuple
 STORAGE_COPIES = 4
 
 
-def build_ops(gm: fx.GraphModule, mesh: DeviceMesh, model: CostModel, storage_of: Callable[[fx.Node], Layout | None],
-              free_storage: Callable[[fx.Node], bool] = lambda node: False) -> list[Op]:
+def build_ops(
+    gm: fx.GraphModule,
+    mesh: DeviceMesh,
+    model: CostModel,
+    storage_of: Callable[[fx.Node], Layout | None],
+    free_storage: Callable[[fx.Node], bool] = lambda node: False,
+) -> list[Op]:
     """Every DTensor-valued node with its strategies, in graph order.
 
     ``storage_of``: a parameter placeholder's fixed storage layout (else None).
@@ -188,8 +238,14 @@ def build_ops(gm: fx.GraphModule, mesh: DeviceMesh, model: CostModel, storage_of
         layout = tuple(value.placements)
         slots = [a for a in node.all_input_nodes if isinstance(value_of(a), DTensor)]
         requires_grad = bool(value.requires_grad)
-        fixed_one = lambda why, inputs=(): Op(node, slots, [Strategy(tuple(inputs), layout, (False,) * len(sizes), 0.0, 0.0)],
-                                             fixed=why, requires_grad=requires_grad, value=value)
+        fixed_one = lambda why, inputs=(): Op(
+            node,
+            slots,
+            [Strategy(tuple(inputs), layout, (False,) * len(sizes), 0.0, 0.0)],
+            fixed=why,
+            requires_grad=requires_grad,
+            value=value,
+        )
         if node.op == "placeholder" and free_storage(node):
             ops[node] = _storage_choices(node, value, mesh)
         elif node.op == "placeholder":
@@ -213,7 +269,9 @@ def _fixed_reads(node: fx.Node, value_of, mesh: DeviceMesh) -> Op:
     layout = FIXED_READS[node.target](node, mesh)
     value = value_of(node) if isinstance(value_of(node), DTensor) else value_of(slots[0])
     strategy = Strategy(tuple(layout for _ in slots), layout, (False,) * mesh.ndim, 0.0, 0.0)
-    why = "the layout the caller receives" if node.target is dtensor_ops.to_output else "run replicated (no DTensor rule)"
+    why = (
+        "the layout the caller receives" if node.target is dtensor_ops.to_output else "run replicated (no DTensor rule)"
+    )
     return Op(node, slots, [strategy], fixed=why, requires_grad=bool(value.requires_grad), value=value)
 
 
@@ -244,16 +302,25 @@ def _probe_op(gm, node, slots, value, mesh, model: CostModel, storage_of, ops: d
         for s, cands in zip(slots, per_slot):
             if storage_of(s) is None:
                 written = {st.output for st in ops[s].strategies} if s in ops else set()
-                cands = [c for c in cands if any(_chunk_of(w, c) for w in written) or all(isinstance(p, Replicate) for p in c)]
+                cands = [
+                    c
+                    for c in cands
+                    if any(_chunk_of(w, c) for w in written) or all(isinstance(p, Replicate) for p in c)
+                ]
             narrowed.append(cands)
         per_slot = narrowed
     strategies = []
     inputs = [value_of(s) for s in slots]
     combos = list(itertools.product(*per_slot))
     meshes_1d = submeshes(mesh)
-    each_dim_runs = [layouts for layouts in combos
-                     if all(probe(gm, node, slots, tuple((lay[m],) for lay in layouts), value_of, sub) is not None
-                            for m, sub in meshes_1d)]
+    each_dim_runs = [
+        layouts
+        for layouts in combos
+        if all(
+            probe(gm, node, slots, tuple((lay[m],) for lay in layouts), value_of, sub) is not None
+            for m, sub in meshes_1d
+        )
+    ]
     for layouts in each_dim_runs or combos:  # none: probe every combination, as without the shortcut
         out = probe(gm, node, slots, layouts, value_of)
         if out is None:
@@ -261,9 +328,16 @@ def _probe_op(gm, node, slots, value, mesh, model: CostModel, storage_of, ops: d
         varying = tuple(not all(isinstance(l[m], Replicate) for l in (*layouts, out)) for m in range(mesh.ndim))
         first = TORCH_MATMULS.get(node.target)
         smallest = None if first is None else _smallest_matmul_dim(first, inputs, value, layouts, out, mesh.shape)
-        compute = 0.0 if node.target in TORCH_VIEWS else 3.0 * model.compute_s(
-            *local_work(node.target, inputs, layouts, value, out, mesh.shape), smallest)
-        memory = 0.0 if node.target in TORCH_VIEWS else value_bytes(value) / math.prod(split_factor(p, n) for p, n in zip(out, mesh.shape))
+        compute = (
+            0.0
+            if node.target in TORCH_VIEWS
+            else 3.0 * model.compute_s(*local_work(node.target, inputs, layouts, value, out, mesh.shape), smallest)
+        )
+        memory = (
+            0.0
+            if node.target in TORCH_VIEWS
+            else value_bytes(value) / math.prod(split_factor(p, n) for p, n in zip(out, mesh.shape))
+        )
         strategies.append(Strategy(tuple(layouts), out, varying, compute, memory))
     if not strategies:
         raise UnsupportedError(
@@ -273,8 +347,14 @@ def _probe_op(gm, node, slots, value, mesh, model: CostModel, storage_of, ops: d
     return Op(node, slots, strategies, requires_grad=bool(value.requires_grad), value=value)
 
 
-def local_work(target: Any, inputs: list[Any], layouts: tuple[Layout, ...], out_value: Any, out: Layout,
-               mesh_shape: tuple[int, ...]) -> tuple[float, float]:
+def local_work(
+    target: Any,
+    inputs: list[Any],
+    layouts: tuple[Layout, ...],
+    out_value: Any,
+    out: Layout,
+    mesh_shape: tuple[int, ...],
+) -> tuple[float, float]:
     """(FLOPs, bytes touched) of one rank's forward, from its local pieces' shapes.
 
     A rank does the work its pieces hold: a `Shard` read or result is its share, a `Partial` or
@@ -296,5 +376,3 @@ def source_line(node: fx.Node) -> str:
     lines = [l.strip() for l in (node.meta.get("stack_trace") or "").splitlines()]
     code = [l for l in lines if l and not set(l) <= set("^~ ") and not l.startswith("File ")]
     return code[-1] if code else "?"
-
-

@@ -51,7 +51,9 @@ class Costs:
         _, kind, m = bucket
         return self.model.collective_s(kind, 0, self.sizes[m])
 
-    def forward(self, nbytes: float, src: Layout, dst: Layout, bucketed: bool = False, used: dict | None = None) -> float:
+    def forward(
+        self, nbytes: float, src: Layout, dst: Layout, bucketed: bool = False, used: dict | None = None
+    ) -> float:
         total = 0.0
         for m, n in enumerate(self.sizes):
             kind = move_kind(letter(src[m]), letter(dst[m]))
@@ -60,8 +62,15 @@ class Costs:
                 total += self.collective(kind, self.payload(nbytes, src, dst, m), n, bucket, used)
         return total
 
-    def backward(self, nbytes: float, src: Layout, dst: Layout, varying: tuple[bool, ...],
-                 bucketed: bool = False, used: dict | None = None) -> tuple[float, list[int]]:
+    def backward(
+        self,
+        nbytes: float,
+        src: Layout,
+        dst: Layout,
+        varying: tuple[bool, ...],
+        bucketed: bool = False,
+        used: dict | None = None,
+    ) -> tuple[float, list[int]]:
         """Transposes of the move src -> dst, and the mesh dims whose reduction the value owes."""
         total, owed = 0.0, []
         for m, n in enumerate(self.sizes):
@@ -76,6 +85,8 @@ class Costs:
                 total += self.collective(kind, self.payload(nbytes, src, dst, m), n, bucket, used)
         return total, owed
 
-    def reduction(self, nbytes: float, layout: Layout, m: int, bucketed: bool = False, used: dict | None = None) -> float:
+    def reduction(
+        self, nbytes: float, layout: Layout, m: int, bucketed: bool = False, used: dict | None = None
+    ) -> float:
         bucket = ("backward", Kind.ALL_REDUCE, m) if bucketed else None
         return self.collective(Kind.ALL_REDUCE, self.payload(nbytes, layout, layout, m), self.sizes[m], bucket, used)

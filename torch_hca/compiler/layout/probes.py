@@ -61,16 +61,30 @@ def _describe_arg(a: Any) -> Any:
 _PROBES: dict[Any, Layout | None] = {}
 
 
-def probe(gm: fx.GraphModule, node: fx.Node, slots: list[fx.Node], layouts: tuple[Layout, ...], value_of,
-          mesh: DeviceMesh | None = None) -> Layout | None:
+def probe(
+    gm: fx.GraphModule,
+    node: fx.Node,
+    slots: list[fx.Node],
+    layouts: tuple[Layout, ...],
+    value_of,
+    mesh: DeviceMesh | None = None,
+) -> Layout | None:
     """The layout DTensor writes when `node` reads `slots` in `layouts` over `mesh` (default: the
     traced values' mesh); None if it would redistribute."""
     swap = dict(zip(slots, layouts))
-    described = fx.node.map_arg((node.args, node.kwargs), lambda n: ("slot", slots.index(n)) if n in swap else _describe_arg(value_of(n)))
+    described = fx.node.map_arg(
+        (node.args, node.kwargs), lambda n: ("slot", slots.index(n)) if n in swap else _describe_arg(value_of(n))
+    )
     target = node.target if node.op != "call_module" else type(gm.get_submodule(node.target))
     mesh = mesh if mesh is not None else value_of(slots[0]).device_mesh
-    key = (node.op, target, repr(described), tuple(tuple(map(letter, lay)) for lay in layouts),
-           tuple(tuple(value_of(s).shape) for s in slots), tuple(mesh.shape))
+    key = (
+        node.op,
+        target,
+        repr(described),
+        tuple(tuple(map(letter, lay)) for lay in layouts),
+        tuple(tuple(value_of(s).shape) for s in slots),
+        tuple(mesh.shape),
+    )
     if key in _PROBES:
         return _PROBES[key]
     args, kwargs = fx.node.map_arg(
@@ -85,7 +99,11 @@ def probe(gm: fx.GraphModule, node: fx.Node, slots: list[fx.Node], layouts: tupl
         # Only plain Shard / Replicate / Partial results: DTensor cannot always move a
         # _StridedShard (a flattened dim whose inner part is sharded) while tracing,
         # and its view rules mislabel some (tests/test_op_families.py, KNOWN_WRONG).
-        if not events and isinstance(out, DTensor) and all(type(p) in (Shard, Replicate, Partial) for p in out.placements):
+        if (
+            not events
+            and isinstance(out, DTensor)
+            and all(type(p) in (Shard, Replicate, Partial) for p in out.placements)
+        ):
             result = tuple(out.placements)
     except Exception:  # a combination DTensor has no rule for
         result = None

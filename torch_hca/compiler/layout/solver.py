@@ -49,6 +49,7 @@ from torch_hca.spmd.placements import layout_str
 from torch_hca.errors import PlanError
 from torch_hca.runtime.exchange import exchange, needs_exchange
 
+
 @dataclass
 class Solution:
     choice: dict[fx.Node, Strategy]
@@ -94,7 +95,8 @@ class _Program:
         lo = np.array([row[1] for row in self.rows])
         hi = np.array([row[2] for row in self.rows])
         return milp(
-            c=np.array(self.cost), integrality=np.array(self.integral),
+            c=np.array(self.cost),
+            integrality=np.array(self.integral),
             bounds=Bounds(np.array(self.lower), np.ones(len(self.cost))),
             constraints=[LinearConstraint(a, lo, hi)] if self.rows else [],
             options={"time_limit": time_limit, "disp": False},
@@ -117,7 +119,9 @@ def _key(s: Strategy, slot: int) -> tuple:
     return (s.inputs[slot], s.varying)
 
 
-def _edge_cost(costs: Costs, e: _Edge, out: Layout, key: tuple, used: dict | None = None) -> tuple[float, float, list[int]]:
+def _edge_cost(
+    costs: Costs, e: _Edge, out: Layout, key: tuple, used: dict | None = None
+) -> tuple[float, float, list[int]]:
     """Forward and backward seconds of the edge, and the mesh dims whose reduction its value owes.
 
     Moves of a parameter are bucketed: they add their bucket to `used`.
@@ -198,7 +202,9 @@ class _Formulation:
         outs = list(dict.fromkeys(s.output for s in e.producer.strategies))
         keys = list(dict.fromkeys(_key(s, e.slot) for s in e.consumer.strategies))
         out_vars = {o: {y[pi, j]: 1.0 for j, s in enumerate(e.producer.strategies) if s.output == o} for o in outs}
-        key_vars = {k: {y[ci, j]: 1.0 for j, s in enumerate(e.consumer.strategies) if _key(s, e.slot) == k} for k in keys}
+        key_vars = {
+            k: {y[ci, j]: 1.0 for j, s in enumerate(e.consumer.strategies) if _key(s, e.slot) == k} for k in keys
+        }
         pairs: dict[tuple, int] = {}
         for o, k in itertools.product(outs, keys):
             used: dict = {}
@@ -225,8 +231,14 @@ class _Formulation:
                 prog.row({**{pairs[o, k]: 1.0 for o in outs}, **{v: -1.0 for v in key_vars[k]}}, 0.0, 0.0)
 
 
-def solve(ops: list[Op], costs: Costs, *, memory_weight: float = 0.0, memory_budget: float | None = None,
-          time_limit_s: float = 10.0) -> Solution:
+def solve(
+    ops: list[Op],
+    costs: Costs,
+    *,
+    memory_weight: float = 0.0,
+    memory_budget: float | None = None,
+    time_limit_s: float = 10.0,
+) -> Solution:
     """The cheapest strategy for every op (exact within the time limit, else greedy)."""
     start = time.perf_counter()
     _check_budget(ops, memory_budget)
@@ -237,18 +249,32 @@ def solve(ops: list[Op], costs: Costs, *, memory_weight: float = 0.0, memory_bud
         f.prog.row(f.memory, 0.0, memory_budget)
     result = f.prog.solve(time_limit_s)
     if result.x is not None:
-        choice = {op.node: op.strategies[max(range(len(op.strategies)), key=lambda j: result.x[f.y[i, j]])]
-                  for i, op in enumerate(ops)}
+        choice = {
+            op.node: op.strategies[max(range(len(op.strategies)), key=lambda j: result.x[f.y[i, j]])]
+            for i, op in enumerate(ops)
+        }
         status = "optimal" if result.status == 0 else f"time limit ({result.message})"
         bound = getattr(result, "mip_dual_bound", None)
-        solution = Solution(choice, "milp (scipy HiGHS)", float(result.fun), None if bound is None else float(bound),
-                            status, time.perf_counter() - start)
+        solution = Solution(
+            choice,
+            "milp (scipy HiGHS)",
+            float(result.fun),
+            None if bound is None else float(bound),
+            status,
+            time.perf_counter() - start,
+        )
     else:
         if memory_budget is not None and result.status == 2:
             raise PlanError(_over_budget(ops, memory_budget))
         choice = greedy(ops, costs, memory_weight)
-        solution = Solution(choice, "greedy", total_cost(ops, costs, choice, memory_weight), None,
-                            f"fallback: {result.message}", time.perf_counter() - start)
+        solution = Solution(
+            choice,
+            "greedy",
+            total_cost(ops, costs, choice, memory_weight),
+            None,
+            f"fallback: {result.message}",
+            time.perf_counter() - start,
+        )
     kept = _rank0s_choice(ops, solution)
     if kept is not solution.choice:
         solution.choice = kept
@@ -293,8 +319,10 @@ def _over_budget(ops: list[Op], budget: float, least: float | None = None) -> st
     biggest = sorted(ops, key=lambda op: -min(s.memory_bytes for s in op.strategies))[:3]
     names = ", ".join(f"{op.node.name} ({int(min(s.memory_bytes for s in op.strategies))} B at best)" for op in biggest)
     need = f"at least {int(least)} B" if least is not None else "more than that"
-    return (f"layout solver: no layout fits memory_budget={int(budget)} B per rank "
-            f"(needs {need}); the largest values are {names}: raise the budget or shard more")
+    return (
+        f"layout solver: no layout fits memory_budget={int(budget)} B per rank "
+        f"(needs {need}); the largest values are {names}: raise the budget or shard more"
+    )
 
 
 def total_cost(ops: list[Op], costs: Costs, choice: dict[fx.Node, Strategy], memory_weight: float) -> float:
@@ -318,14 +346,21 @@ def greedy(ops: list[Op], costs: Costs, memory_weight: float) -> dict[fx.Node, S
     choice: dict[fx.Node, Strategy] = {}
     by_node = {op.node: op for op in ops}
     for op in ops:
+
         def local(s: Strategy) -> float:
             cost = _own_cost(s, memory_weight)
             for i, src in enumerate(op.slots):
                 if src in choice:
                     edge = _Edge(by_node[src], op, i)
                     fw, bw, owed = _edge_cost(costs, edge, choice[src].output, _key(s, i))
-                    cost += fw + bw + memory_weight * _moved_bytes(costs, edge, choice[src].output, _key(s, i)) + sum(_reduction(costs, by_node[src], choice[src].output, m) for m in owed)
+                    cost += (
+                        fw
+                        + bw
+                        + memory_weight * _moved_bytes(costs, edge, choice[src].output, _key(s, i))
+                        + sum(_reduction(costs, by_node[src], choice[src].output, m) for m in owed)
+                    )
             return cost
+
         choice[op.node] = min(op.strategies, key=local)
     return choice
 
@@ -336,8 +371,11 @@ def as_written(ops: list[Op], memory_weight: float) -> dict[fx.Node, Strategy]:
     run the op), the cheapest of those; an op no strategy runs so takes its cheapest."""
     choice: dict[fx.Node, Strategy] = {}
     for op in ops:
-        kept = [s for s in op.strategies
-                if all(src not in choice or s.inputs[i] == choice[src].output for i, src in enumerate(op.slots))]
+        kept = [
+            s
+            for s in op.strategies
+            if all(src not in choice or s.inputs[i] == choice[src].output for i, src in enumerate(op.slots))
+        ]
         choice[op.node] = min(kept or op.strategies, key=lambda s: _own_cost(s, memory_weight))
     return choice
 
@@ -345,7 +383,9 @@ def as_written(ops: list[Op], memory_weight: float) -> dict[fx.Node, Strategy]:
 # ----------------------------------------------------------------------------- explanations
 
 
-def explain_rows(ops: list[Op], costs: Costs, choice: dict[fx.Node, Strategy], memory_weight: float) -> list[dict[str, Any]]:
+def explain_rows(
+    ops: list[Op], costs: Costs, choice: dict[fx.Node, Strategy], memory_weight: float
+) -> list[dict[str, Any]]:
     """Per value: shape, layout, cost terms, and why (a constraint, or the alternative it beat)."""
     edges = _edges(ops)
     incoming: dict[fx.Node, list[_Edge]] = {}
@@ -381,12 +421,21 @@ def explain_rows(ops: list[Op], costs: Costs, choice: dict[fx.Node, Strategy], m
             mine = local(op, s)
             others = [(local(op, t) - mine, t) for t in op.strategies if t is not s]
             delta, best = min(others, key=lambda x: x[0])
-            why = (f"beat {layout_str(best.output)} reading {', '.join(map(layout_str, best.inputs))} "
-                   f"by {delta * 1e6:.1f} us ({len(op.strategies)} candidates)")
-        rows.append({
-            "value": op.node.name, "shape": list(op.value.shape), "placement": layout_str(s.output),
-            "reads": [layout_str(l) for l in s.inputs],
-            "compute_us": s.compute_s * 1e6, "forward_comm_us": fw * 1e6, "backward_comm_us": bw * 1e6,
-            "memory_bytes": s.memory_bytes, "why": why,
-        })
+            why = (
+                f"beat {layout_str(best.output)} reading {', '.join(map(layout_str, best.inputs))} "
+                f"by {delta * 1e6:.1f} us ({len(op.strategies)} candidates)"
+            )
+        rows.append(
+            {
+                "value": op.node.name,
+                "shape": list(op.value.shape),
+                "placement": layout_str(s.output),
+                "reads": [layout_str(l) for l in s.inputs],
+                "compute_us": s.compute_s * 1e6,
+                "forward_comm_us": fw * 1e6,
+                "backward_comm_us": bw * 1e6,
+                "memory_bytes": s.memory_bytes,
+                "why": why,
+            }
+        )
     return rows
