@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.utils._pytree import tree_leaves, tree_map
 
 from torch_hca._torch_private import redistribute_to_partial
@@ -24,16 +24,19 @@ def redistribute(x: DTensor, placements: tuple[Placement, ...]) -> DTensor:
     if any(p.is_partial() and p != q for p, q in zip(placements, x.placements)):
         if any(p.is_partial() and q.is_shard() for p, q in zip(placements, x.placements)):
             # DTensor has no S -> P: gather first (what the layout solver costs it as).
-            x = x.redistribute(x.device_mesh, [Replicate() if p.is_partial() and q.is_shard() else q
-                                               for p, q in zip(placements, x.placements)])
+            x = x.redistribute(
+                x.device_mesh,
+                [Replicate() if p.is_partial() and q.is_shard() else q for p, q in zip(placements, x.placements)],
+            )
         return redistribute_to_partial(x, placements)
     return x.redistribute(x.device_mesh, placements)
 
 
 def from_local(local: torch.Tensor, mesh: int, placements: tuple[Placement, ...], shape: list[int]) -> DTensor:
     """A forward argument (this rank's piece) as the DTensor it belongs to: the input's stated layout."""
-    return DTensor.from_local(local, mesh_of(mesh), placements, run_check=False, shape=torch.Size(shape),
-                              stride=contiguous_stride(shape))
+    return DTensor.from_local(
+        local, mesh_of(mesh), placements, run_check=False, shape=torch.Size(shape), stride=contiguous_stride(shape)
+    )
 
 
 def replicate(t: torch.Tensor, mesh: int) -> DTensor:
@@ -63,7 +66,6 @@ def to_output(x: DTensor, placements: tuple[Placement, ...], grad_scale: float =
     """A result as this rank's piece in the layout the caller receives (its cotangent times `grad_scale`)."""
     local = x.redistribute(x.device_mesh, placements).to_local(grad_placements=placements)
     return local if grad_scale == 1.0 else ScaleGrad.apply(local, grad_scale)
-
 
 
 def dropout(x: DTensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> DTensor:
@@ -108,7 +110,9 @@ def run_local(kind: str, target: str, item: int | None, *args, **kwargs):
     full = (Replicate(),) * mesh.ndim
     unwrap = lambda a: a.redistribute(mesh, full).to_local() if isinstance(a, DTensor) else a
     args, kwargs = tree_map(unwrap, (args, kwargs))
-    out = getattr(args[0], target)(*args[1:], **kwargs) if kind == "method" else LOCAL_FUNCTIONS[target](*args, **kwargs)
+    out = (
+        getattr(args[0], target)(*args[1:], **kwargs) if kind == "method" else LOCAL_FUNCTIONS[target](*args, **kwargs)
+    )
     if item is not None:
         out = out[item]
     wrap = lambda t: DTensor.from_local(t, mesh, full, run_check=False) if isinstance(t, torch.Tensor) else t
@@ -127,6 +131,10 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
             "DTensors yet; set the model's attention dropout to 0.0 (e.g. config.attn_pdrop / attention_dropout), "
             "or apply dropout outside attention"
         )
+    # Attention is not linear in q, k or v: a partial sum among them is summed first.
+    q, k, v = (_replicated(t, keep=lambda p: not p.is_partial()) for t in (q, k, v))
+    if _splits_only_batch_or_heads(q, k, v):
+        return _attention_per_piece(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     if enable_gqa and k.size(-3) != q.size(-3):
         k, v = _repeat_kv(k, q.size(-3)), _repeat_kv(v, q.size(-3))
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
@@ -136,11 +144,52 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
         # the (batch, sharded heads) that matmul's own broadcasting flattens.
         h, b, lq = q.size(1), q.size(0), q.size(2)
         flat = lambda t: t.transpose(0, 1).reshape(h * b, t.size(2), t.size(3))
-        if attn_mask is not None and attn_mask.dim() == 4:  # (batch or 1, heads or 1, lq, lk): flattened as q is
-            attn_mask = flat(_like(attn_mask, q).expand(b, h, lq, k.size(2)))
+        if attn_mask is not None and attn_mask.dim() == 4:  # (batch or 1, heads or 1, lq, lk): laid out as q is
+            attn_mask = _like(attn_mask, q).expand(b, h, lq, k.size(2))
+            if isinstance(q, DTensor):  # a replicated mask is sliced where q is split: no communication
+                attn_mask = attn_mask.redistribute(q.device_mesh, q.placements)
+            attn_mask = flat(attn_mask)
         out = _attention(flat(q), flat(k), flat(v), attn_mask, is_causal, scale)
         return out.view(h, b, lq, v.size(3)).transpose(0, 1)
     return _attention(q, k, v, attn_mask, is_causal, scale)
+
+
+def _splits_only_batch_or_heads(q, k, v) -> bool:
+    """q, k and v are 4-D DTensors laid out alike, each mesh dim replicating them or splitting
+    the batch or the heads (whole query groups of each kv head, under GQA)."""
+    if q.dim() != 4 or not all(isinstance(t, DTensor) for t in (q, k, v)):
+        return False
+    if not (q.placements == k.placements == v.placements and q.device_mesh == k.device_mesh == v.device_mesh):
+        return False
+    for mesh_dim, p in enumerate(q.placements):
+        if type(p) is Shard and p.dim == 1 and k.size(1) % q.device_mesh.size(mesh_dim):
+            return False  # kv heads that do not split as the query heads do
+        if not (isinstance(p, Replicate) or type(p) is Shard and p.dim in (0, 1)):
+            return False
+    return True
+
+
+def _attention_per_piece(q, k, v, attn_mask, is_causal, scale, enable_gqa):
+    """Attention of each rank's (batch, heads) piece by the local kernel: no (batch, head) pair
+    looks at another, so no communication; the mask is sliced as q is."""
+    mesh, placements = q.device_mesh, q.placements
+    mask = attn_mask
+    if mask is not None:
+        whole = _like(mask, q).expand(q.size(0), q.size(1), q.size(2), k.size(2))
+        mask = whole.redistribute(mesh, placements).to_local()
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.to_local(),
+        k.to_local(),
+        v.to_local(),
+        attn_mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
+    shape = (q.size(0), q.size(1), q.size(2), v.size(3))
+    return DTensor.from_local(
+        out, mesh, placements, run_check=False, shape=torch.Size(shape), stride=contiguous_stride(shape)
+    )
 
 
 def cat(tensors, dim: int = 0, *, out=None):
@@ -163,11 +212,18 @@ def convolution(conv):
     return gathered
 
 
-def batch_norm(input, running_mean, running_var, weight=None, bias=None, *args, **kwargs):
+def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
     """``F.batch_norm`` with a weight and bias stored split over channels gathered first: DTensor
     would split the channels of the input and of copies of the running statistics, and the
-    module's own buffers would miss the update."""
-    return F.batch_norm(input, running_mean, running_var, _replicated(weight), _replicated(bias), *args, **kwargs)
+    module's own buffers would miss the update. With the running statistics (``eval()``) it is
+    elementwise, written so: DTensor's rule would gather a batch that is split."""
+    weight, bias = _replicated(weight), _replicated(bias)
+    if training or running_mean is None:
+        return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    per_channel = lambda t: t.view((1, -1) + (1,) * (input.dim() - 2))
+    out = (input - per_channel(running_mean)) * per_channel(torch.rsqrt(running_var + eps))
+    out = out * per_channel(weight) if weight is not None else out
+    return out + per_channel(bias) if bias is not None else out
 
 
 def _replicated(t, keep=lambda p: False):

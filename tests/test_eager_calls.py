@@ -1,0 +1,88 @@
+"""A sharded module called outside torch.compile: training, eval and Hugging Face generate().
+
+The same model object trains compiled and evaluates, samples and trains eagerly; each
+eager call equals one device (docs/huggingface.md, "Evaluate and generate").
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import eager_cases
+import model_zoo
+
+TOL = 1e-5
+ZOO_PLANS = ["dp", "megatron", "fsdp"]
+
+
+@pytest.fixture(scope="module")
+def zoo_at_2(worlds):
+    return worlds(2).run(eager_cases.zoo_eager, sorted(model_zoo.MODELS), ZOO_PLANS)
+
+
+@pytest.mark.parametrize(
+    ("model_name", "plan_name"),
+    [(m, p) for m in sorted(model_zoo.MODELS) for p in ZOO_PLANS if model_zoo.has_plan(m, p, 2)],
+)
+def test_eager_train_and_eval_match_one_device(zoo_at_2, model_name, plan_name):
+    for rank, results in enumerate(zoo_at_2):
+        r = results[(model_name, plan_name)]
+        assert r["train_out_err"] <= TOL, (rank, r["train_out_err"])
+        assert r["grad_errs"] and max(r["grad_errs"].values()) <= TOL, (rank, r["grad_errs"])
+        assert all(e <= TOL for e in r["zero_grad_abs_errs"].values()), (rank, r["zero_grad_abs_errs"])
+        assert r["eval_out_err"] <= TOL, (rank, r["eval_out_err"])
+
+
+def test_data_parallel_eval_runs_no_collective(zoo_at_2):
+    """Parameters replicated, the batch split: evaluating needs nothing from the other rank
+    (convnet's batch norm too: with running statistics it is elementwise). BERT's one gather is
+    Hugging Face's: it builds the 4-D padding mask by indexing the 2-D one with the whole
+    batch's row numbers, and DTensor gathers a split tensor indexed that way."""
+    expected = {name: {} for name in model_zoo.MODELS} | {"bert": {"all_gather_single": 1}}
+    for results in zoo_at_2:
+        assert {name: results[(name, "dp")]["eval_collectives"] for name in model_zoo.MODELS} == expected
+
+
+def test_megatron_eval_runs_the_megatron_collectives(zoo_at_2):
+    """torch's test Transformer, vocabulary-parallel embeddings and Megatron layers: one all-reduce
+    per embedding and two per layer (the row-parallel outputs' partial sums), one all-gather of
+    the vocabulary-split logits (the head is tied to the split token embedding)."""
+    for results in zoo_at_2:
+        counts = results[("test_transformer", "megatron")]["eval_collectives"]
+        assert counts == {"all_reduce": 2 + 2 * model_zoo.TT_LAYERS, "all_gather_single": 1}, counts
+
+
+def test_fsdp_eval_gathers_the_split_weights(zoo_at_2):
+    """An FSDP-style plan evaluates as FSDP does: the weights stored split are gathered, the batch
+    stays split."""
+    for results in zoo_at_2:
+        for name in model_zoo.MODELS:
+            counts = results[(name, "fsdp")]["eval_collectives"]
+            assert counts.get("all_gather_single", 0) >= 1, (name, counts)
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_eager_train_and_eval_at_4_ranks(worlds, world_size):
+    results = worlds(world_size).run(eager_cases.zoo_eager, ["gpt2", "llama"], ["dp", "megatron", "fsdp", "2d"])
+    for rank_results in results:
+        assert len(rank_results) == 8
+        for key, r in rank_results.items():
+            assert max(r["grad_errs"].values()) <= TOL, (key, r["grad_errs"])
+            assert r["train_out_err"] <= TOL and r["eval_out_err"] <= TOL, (key, r)
+
+
+@pytest.fixture(scope="module")
+def generated(worlds):
+    return worlds(2).run(eager_cases.hf_generate, ["gpt2", "llama", "mistral"], ["dp", "megatron"])
+
+
+@pytest.mark.parametrize("plan_name", ["dp", "megatron"])
+@pytest.mark.parametrize("model_name", ["gpt2", "llama", "mistral"])
+def test_generate_gives_one_devices_tokens(generated, model_name, plan_name):
+    """Greedy and sampled (same seed) generate() with the KV cache, on the sharded model and
+    through its torch.compile wrapper, give one device's tokens for the same rows."""
+    for rank, results in enumerate(generated):
+        r = results[(model_name, plan_name)]
+        assert r["logits_err"] <= TOL, (rank, r)
+        assert r["new_tokens"] == 8, (rank, r)
+        assert r["greedy_same"] and r["sampled_same"] and r["compiled_greedy_same"], (rank, r)
