@@ -8,6 +8,7 @@ chooses the collectives, the plain tensors the forward makes are taken as replic
 from __future__ import annotations
 
 import contextlib
+import os
 import copy
 from typing import Any
 from unittest import mock
@@ -157,3 +158,32 @@ def hf_generate(model_names: list[str], plan_names: list[str], new_tokens: int =
                 result["compiled_greedy_same"] = torch.equal(compiled.generate(rows, **greedy), ref_tokens)
             results[(name, plan_name)] = result
     return results
+
+
+def hf_save_and_load(directory: str) -> dict[str, Any]:
+    """A Megatron-sharded GPT-2 after one SGD step: ``save_pretrained`` on every rank, then
+    ``from_pretrained`` on one device and into a DP-sharded model: logits against the trained one."""
+    import transformers as T
+
+    hca.init_mesh()
+    torch.manual_seed(0)
+    model = hca.sharded(_megatron("gpt2"), inputs=Replicate(), outputs=Replicate())(causal_lm("gpt2"))
+    ids = torch.randint(2, VOCAB, (4, 8))
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    model.eval()
+    model.save_pretrained(directory)
+    files = sorted(os.listdir(directory))
+    one_device = T.GPT2LMHeadModel.from_pretrained(directory).eval()
+    resharded = hca.sharded({}, inputs=Shard(0), outputs=Shard(0))(T.GPT2LMHeadModel.from_pretrained(directory))
+    rows = ids.chunk(dist.get_world_size())[dist.get_rank()]
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+        return {
+            "files": files,
+            "one_device_err": rel_err(one_device(input_ids=ids).logits, trained),
+            "resharded_err": rel_err(
+                resharded.eval()(input_ids=rows).logits, trained.chunk(dist.get_world_size())[dist.get_rank()]
+            ),
+        }

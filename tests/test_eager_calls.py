@@ -86,3 +86,12 @@ def test_generate_gives_one_devices_tokens(generated, model_name, plan_name):
         assert r["logits_err"] <= TOL, (rank, r)
         assert r["new_tokens"] == 8, (rank, r)
         assert r["greedy_same"] and r["sampled_same"] and r["compiled_greedy_same"], (rank, r)
+
+
+def test_save_pretrained_writes_the_whole_model_once(worlds, tmp_path):
+    """Every rank calls save_pretrained; rank 0 writes the gathered model, which loads with
+    from_pretrained on one device and into a sharded model of another plan."""
+    results = worlds(2).run(eager_cases.hf_save_and_load, str(tmp_path / "gpt2"))
+    for r in results:
+        assert r["files"] == ["config.json", "generation_config.json", "model.safetensors"], r
+        assert r["one_device_err"] <= TOL and r["resharded_err"] <= TOL, r

@@ -79,7 +79,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _on_rank0(fn: Callable[[], dict], what: str) -> dict:
+def on_rank0(fn: Callable[[], dict], what: str) -> dict:
     """Run `fn` on rank 0 only and give every rank its result, or raise its error on every rank.
 
     Decisions about the directory are rank 0's alone (one view of the file
@@ -330,7 +330,7 @@ def save(
         extra_text = json.dumps(dict(extra or {}))
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{what}: extra must hold JSON values (numbers, strings, lists, dicts): {e}") from None
-    version = _on_rank0(lambda: _prepare(root, what), what)["version"]
+    version = on_rank0(lambda: _prepare(root, what), what)["version"]
     tmp = os.path.join(root, _TMP + version)
     _fault("begin", tmp)
     writer = _Writer(tmp)
@@ -360,7 +360,7 @@ def save(
         manifest["files"][".metadata"] = os.path.getsize(os.path.join(tmp, ".metadata"))
         return _publish(root, version, manifest, keep)
 
-    _on_rank0(publish, what)
+    on_rank0(publish, what)
     return os.path.join(root, version)
 
 
@@ -377,7 +377,7 @@ def load(
     """
     root = os.fspath(path)
     what = f"hca.load({root!r})"
-    found = _on_rank0(lambda: _find(root, what), what)
+    found = on_rank0(lambda: _find(root, what), what)
     manifest = found["manifest"]
     _check_fits(model, optimizer, manifest, reshard, what)
     state = _state(model, optimizer)

@@ -34,6 +34,7 @@ from torch_hca.runtime.exchange import exchange, first_difference, needs_exchang
 from torch_hca.compiler.logical import Holder, ScaleGrad, check_input_layout, mesh_id, output_layout
 from torch_hca.compiler.parameters import register_sharded
 
+from torch_hca.api.pretrained import whole_model_save
 from torch_hca.api.sharded_forward import wrap_forward
 from torch_hca.compiler.plan_layouts import (
     Layout,
@@ -332,16 +333,12 @@ def _new_sharded(cls: type, made: bool, world_size: int) -> nn.Module:
 
 
 def _sharded_subclass(cls: type) -> type:
-    """The class `sharded(...)(instance)` gives an instance of `cls`: its forward wrapped, picklable."""
-    sub = type(
-        cls.__name__,
-        (cls,),
-        {
-            "forward": wrap_forward(cls.forward),
-            "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__,
-        },
-    )
+    """The class `sharded(...)(instance)` gives an instance of `cls`: its forward wrapped, picklable,
+    and a Hugging Face model's ``save_pretrained`` writing the whole model (torch_hca.api.pretrained)."""
+    methods = {"forward": wrap_forward(cls.forward), "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    if callable(getattr(cls, "save_pretrained", None)):
+        methods["save_pretrained"] = whole_model_save(cls.save_pretrained)
+    sub = type(cls.__name__, (cls,), methods)
     support_pickling(sub, made=True)
     return sub
 
