@@ -60,7 +60,8 @@ from torch_hca.report.compile_report import (
 )
 from torch_hca.spmd.placements import dtype_str, layout_str
 from torch_hca.report.parallelism import sentence
-from torch_hca.passes.collective_rewrites import REWRITE, CollectiveRewritePass, agree_across_ranks, no_rank_rewrites
+from torch_hca.passes.collective_rewrites import CollectiveRewritePass, agree_across_ranks, no_rank_rewrites
+from torch_hca.passes.rewrite_rules import REWRITE
 from torch_hca.passes.infra import PassContext, dump, run_pass
 from torch_hca.passes.layout import LayoutPass
 from torch_hca.passes.lift import LiftPass

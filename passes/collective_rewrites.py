@@ -20,10 +20,8 @@ import operator
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
-import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.utils._pytree import tree_map_only
 
 from torch_hca._torch_private import fake_mode_of
 from torch_hca.spmd.collective_nodes import OPS, WAIT
@@ -31,9 +29,7 @@ from torch_hca.errors import CheckError
 from torch_hca.runtime.exchange import exchange, needs_exchange
 
 from .infra import PassContext, PassResult
-from .rewrite_rules import RULES, Match, Rule
-
-REWRITE = "hca_rewrite"  # node.meta key on every node a rewrite made: the identity it used
+from .rewrite_rules import RULES, Builder, Match, Rule
 
 
 @dataclass(frozen=True)
@@ -50,37 +46,6 @@ class Applied:
 
 
 # ---------------------------------------------------------------- the driver
-
-
-class Builder:
-    """Inserts the nodes a rule makes and gives each its ``meta["val"]`` by fake propagation."""
-
-    def __init__(self, graph: fx.Graph, mode, rule: Rule, origin: fx.Node):
-        self.graph, self.mode, self.rule, self.origin = graph, mode, rule, origin
-        self.made: list[fx.Node] = []
-
-    def __call__(self, before: fx.Node, target, *args, **kwargs) -> fx.Node:
-        with self.graph.inserting_before(before):
-            node = self.graph.call_function(target, args, kwargs)
-        vals, kw = fx.node.map_arg((args, kwargs), lambda a: a.meta["val"])
-        if target is operator.getitem:
-            node.meta["val"] = vals[0][vals[1]]
-        else:
-            with self.mode:
-                vals, kw = tree_map_only(torch.Tensor, self._in_mode, (vals, kw))
-                node.meta["val"] = target(*vals, **kw)
-        node.meta[REWRITE] = self.rule.identity
-        for key in ("stack_trace", "custom"):  # "custom" holds the origin tag the transpose pass reads
-            if key in self.origin.meta:
-                node.meta[key] = self.origin.meta[key]
-        self.made.append(node)
-        return node
-
-    def _in_mode(self, v: torch.Tensor) -> torch.Tensor:
-        # make_fx (real mode) records each value under a fake mode of its own; ops cannot mix them.
-        if getattr(v, "fake_mode", None) is self.mode:
-            return v
-        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
 
 
 def agree_across_ranks(keys: list[str]) -> set[str]:

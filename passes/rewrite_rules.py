@@ -27,18 +27,18 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_map_only
 
 from torch_hca._torch_private import group_rank, group_size
 from torch_hca.spmd.collective_nodes import WAIT
 from torch_hca.errors import CheckError
 
-if TYPE_CHECKING:
-    from .collective_rewrites import Builder
 
+REWRITE = "hca_rewrite"  # node.meta key on every node a rewrite made: the identity it used
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
@@ -276,3 +276,34 @@ def piece_of_cat(cat: fx.Node) -> Match | None:
     if not hits:
         return None
     return Match((cat, *(p.node for p in hits)), lambda b: {p.node: parts[p.index] for p in hits})
+
+
+class Builder:
+    """Inserts the nodes a rule makes and gives each its ``meta["val"]`` by fake propagation."""
+
+    def __init__(self, graph: fx.Graph, mode, rule: Rule, origin: fx.Node):
+        self.graph, self.mode, self.rule, self.origin = graph, mode, rule, origin
+        self.made: list[fx.Node] = []
+
+    def __call__(self, before: fx.Node, target, *args, **kwargs) -> fx.Node:
+        with self.graph.inserting_before(before):
+            node = self.graph.call_function(target, args, kwargs)
+        vals, kw = fx.node.map_arg((args, kwargs), lambda a: a.meta["val"])
+        if target is operator.getitem:
+            node.meta["val"] = vals[0][vals[1]]
+        else:
+            with self.mode:
+                vals, kw = tree_map_only(torch.Tensor, self._in_mode, (vals, kw))
+                node.meta["val"] = target(*vals, **kw)
+        node.meta[REWRITE] = self.rule.identity
+        for key in ("stack_trace", "custom"):  # "custom" holds the origin tag the transpose pass reads
+            if key in self.origin.meta:
+                node.meta[key] = self.origin.meta[key]
+        self.made.append(node)
+        return node
+
+    def _in_mode(self, v: torch.Tensor) -> torch.Tensor:
+        # make_fx (real mode) records each value under a fake mode of its own; ops cannot mix them.
+        if getattr(v, "fake_mode", None) is self.mode:
+            return v
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)

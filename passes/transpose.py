@@ -33,7 +33,7 @@ from torch_hca.spmd.collective_kinds import RULES, Kind
 from torch_hca.spmd.collective_nodes import OPS, WAIT, node_group, node_kind, node_payload
 from torch_hca.errors import CheckError
 
-from .collective_rewrites import REWRITE
+from .rewrite_rules import REWRITE
 from .infra import PassContext, PassResult
 from .origins import Origin, Origins
 

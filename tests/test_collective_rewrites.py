@@ -174,8 +174,8 @@ def test_pass_object_through_the_driver(fake_pg):
         "[split_tensor, getitem_4, getitem_5, getitem_6, getitem_7, cat_default, "
         "reduce_scatter_tensor_default, wait_tensor_default]"
     ]
-    made = [n for n in out.graph.nodes if cr.REWRITE in n.meta]
-    assert len(made) == 8 and all(n.meta[cr.REWRITE] == "shard_r(all_reduce x) = reduce_scatter x" for n in made)
+    made = [n for n in out.graph.nodes if rr.REWRITE in n.meta]
+    assert len(made) == 8 and all(n.meta[rr.REWRITE] == "shard_r(all_reduce x) = reduce_scatter x" for n in made)
     result = out.graph.find_nodes(op="output")[0].args[0]
     assert result.meta["val"].shape == (3, 2)
 

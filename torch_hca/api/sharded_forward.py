@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -18,12 +18,10 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils._pytree import tree_leaves, tree_map
 
+from torch_hca.api.sharding_spec import ShardingSpec
 from torch_hca.compiler.logical import call_logically, output_layout
 from torch_hca.compiler.rewrites import DTensorRewrites
 from torch_hca.spmd.shares import uneven_dims
-
-if TYPE_CHECKING:
-    from torch_hca.api.plan import ShardingSpec
 
 
 def wrap_forward(forward):

@@ -52,7 +52,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
-from torch_hca import _torch_private
+import torch_hca._torch_private as _torch_private
 from torch_hca.spmd.collective_nodes import OPS, WAIT, nbytes, node_group, payload_bytes
 from torch_hca.spmd.cost_model import CostModel, smallest_matmul_dim
 from torch_hca.spmd.op_families import ATEN_MATMULS, aten_flops, is_view_op
