@@ -20,7 +20,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
-from torch_hca import _torch_private
+import torch_hca._torch_private as _torch_private
 from torch_hca.errors import UnsupportedError
 
 
