@@ -187,3 +187,21 @@ def hf_save_and_load(directory: str) -> dict[str, Any]:
                 resharded.eval()(input_ids=rows).logits, trained.chunk(dist.get_world_size())[dist.get_rank()]
             ),
         }
+
+
+def eager_dropout(same_seed: bool) -> dict[str, Any]:
+    """A data-parallel MLP with dropout called eagerly in training mode, every rank seeded the same
+    (or by its rank): its rows against one device's, or the `CheckError` it raised."""
+    hca.init_mesh()
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 4))
+    model = hca.sharded({}, inputs=Shard(0), outputs=Shard(0))(copy.deepcopy(ref))
+    x = torch.randn(8, 8)
+    rank = dist.get_rank()
+    torch.manual_seed(5 if same_seed else 5 + rank)
+    try:
+        got = model(x.chunk(dist.get_world_size())[rank])
+    except hca.CheckError as e:
+        return {"error": str(e)}
+    torch.manual_seed(5)
+    return {"err": rel_err(got, ref(x).chunk(dist.get_world_size())[rank])}

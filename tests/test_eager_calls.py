@@ -95,3 +95,11 @@ def test_save_pretrained_writes_the_whole_model_once(worlds, tmp_path):
     for r in results:
         assert r["files"] == ["config.json", "generation_config.json", "model.safetensors"], r
         assert r["one_device_err"] <= TOL and r["resharded_err"] <= TOL, r
+
+
+def test_eager_dropout_draws_as_one_device_and_differently_seeded_ranks_are_named(worlds):
+    same = worlds(2).run(eager_cases.eager_dropout, True)
+    assert all(r == {"err": 0.0} for r in same), same
+    differ = worlds(2).run(eager_cases.eager_dropout, False)
+    for r in differ:
+        assert "rank(s) [1] differs from rank 0's" in r["error"] and "torch.manual_seed" in r["error"], r

@@ -13,6 +13,7 @@ import types
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
@@ -20,7 +21,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from torch_hca.api.sharding_spec import ShardingSpec
 from torch_hca.compiler.logical import call_logically, output_layout
+from torch_hca.compiler.randomness import generator_digest
 from torch_hca.compiler.rewrites import DTensorRewrites
+from torch_hca.errors import CheckError
 from torch_hca.spmd.shares import uneven_dims
 
 
@@ -46,12 +49,32 @@ def wrap_forward(forward):
         }  # views: in-place updates reach the buffers
         # Plain tensors the forward makes (positions, masks, a cache's indices) are the same on
         # every rank: DTensor takes them as replicated instead of refusing to mix them.
+        drawn_from = None if torch.compiler.is_compiling() else generator_digest(spec.mesh.device_type)
         with DTensorRewrites(), implicit_replication():
             out = torch.func.functional_call(self.__dict__["_hca_logical"], buffers, args, kwargs, strict=False)
+        if drawn_from is not None and generator_digest(spec.mesh.device_type) != drawn_from:
+            _check_one_generator_state(drawn_from)
         return tree_map(spec.to_local, out)
 
     sharded_forward._hca_wrapped = True
     return sharded_forward
+
+
+def _check_one_generator_state(digest: str) -> None:
+    """The forward drew random numbers (dropout, or a plain tensor taken as replicated): every rank
+    must have drawn from one generator state, or the draws that must be one differ by rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    digests: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    differ = [rank for rank, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        raise CheckError(
+            f"a sharded forward called eagerly drew random numbers, and the default random number generator of "
+            f"rank(s) {differ} differs from rank 0's (digests {sorted(set(digests))}), so draws that must be one "
+            "differ by rank. Seed every rank the same (torch.manual_seed(seed) with one seed on every rank), and "
+            "draw rank-local randomness (data shuffling, augmentation) from a torch.Generator of its own"
+        )
 
 
 @torch._dynamo.disable(recursive=False)
