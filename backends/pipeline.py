@@ -51,13 +51,8 @@ from torch_hca.compiler.checks.uneven import (
     uneven_shares,
     weight_partial_means,
 )
-from torch_hca.report.compile_report import (
-    CollectiveRecord,
-    CompileReport,
-    GraphReport,
-    new_graph_report,
-    next_graph_index,
-)
+from torch_hca.report.compile_report import CompileReport, new_graph_report, next_graph_index
+from torch_hca.report.records import CollectiveRecord, GraphReport
 from torch_hca.spmd.placements import dtype_str, layout_str
 from torch_hca.report.parallelism import sentence
 from torch_hca.passes.collective_rewrites import CollectiveRewritePass, agree_across_ranks, no_rank_rewrites

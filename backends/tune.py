@@ -35,7 +35,8 @@ from torch_hca.runtime.exchange import exchange, needs_exchange
 from torch_hca.compiler.options import Options
 from torch_hca.compiler.randomness import generator_states, set_generator_states
 from torch_hca.compiler.checks.refinement import fixed_cotangents, history_cut, restorer
-from torch_hca.report.compile_report import CompileReport, GraphReport
+from torch_hca.report.compile_report import CompileReport
+from torch_hca.report.records import GraphReport
 from torch_hca.spmd.cost_model import CostModel
 
 # (layout option, communication priced this many times the calibration's): the candidates, in

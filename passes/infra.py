@@ -14,7 +14,8 @@ import torch.fx as fx
 from torch_hca._torch_private import structured_trace_enabled, trace_artifact
 from torch_hca.errors import CheckError
 from torch_hca.compiler.options import Options
-from torch_hca.report.compile_report import WIDTH, GraphReport, PassRecord, readable_code
+from torch_hca.report.records import GraphReport, PassRecord
+from torch_hca.report.text import WIDTH, readable_code
 
 
 @dataclass

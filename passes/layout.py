@@ -42,7 +42,7 @@ from torch_hca.spmd.collective_kinds import move_kind
 from torch_hca.spmd.placements import dtype_str, layout_str, letter
 from torch_hca.errors import StrategyError, UnsupportedError
 from torch_hca.compiler.parameters import parameter_name
-from torch_hca.report.compile_report import Redistribution
+from torch_hca.report.records import Redistribution
 from torch_hca.report.layout_record import LayoutRecord
 from torch_hca.report import strategy_file, strategy_replay
 

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch_hca.compiler import dtensor_ops
 from torch_hca._torch_private import set_origin
 from torch_hca.spmd.collective_kinds import Kind, backward_kinds, move_kind
-from torch_hca.report.compile_report import module_path
+from torch_hca.report.text import module_path
 from torch_hca.spmd.placements import letter
 
 from .infra import PassContext, PassResult

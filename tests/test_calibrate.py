@@ -12,6 +12,8 @@ import torch
 
 import dist_cases
 import torch_hca as hca
+from torch_hca.api.calibration_figures import JUDGED, _half_dim, _line, _share, fastest_rounds, noisy_probes
+from torch_hca.api.calibration_probes import PROBES, contention_times, host_s
 from torch_hca.api.calibrate import FIELDS
 from torch_hca.spmd.cost_model import DEFAULTS
 
@@ -62,10 +64,9 @@ class _Blocking:
 
 @pytest.mark.parametrize("collective,expected", [(_Thread, 0.0), (_Blocking, 1.0)])
 def test_contention_is_the_share_of_a_collective_that_overlap_does_not_hide(collective, expected):
-    cal = importlib.import_module("torch_hca.api.calibrate")
     # Two 10 ms steps outlast the 15 ms collective by 5 ms: room for a loaded machine's late wake-ups.
     step = lambda: time.sleep(0.01)
-    share = cal._share(*cal._contention_times(step, 2, lambda: collective(0.015), lambda: None, repeats=10))
+    share = _share(*contention_times(step, 2, lambda: collective(0.015), lambda: None, repeats=10))
     assert abs(share - expected) < 0.3, share
 
 
@@ -78,10 +79,8 @@ def test_needs_a_process_group():
 
 
 def test_host_time_is_the_compiled_steps_time_beyond_its_graphs_own_calls(fake_pg):
-    cal = importlib.import_module("torch_hca.api.calibrate")  # the module: hca.calibrate is its function
-
     figures = dataclasses.asdict(DEFAULTS["gloo"])
-    call_s, param_s = cal._host_s(figures, torch.device("cpu"), 3)
+    call_s, param_s = host_s(figures, torch.device("cpu"), 3)
     # Each DTensor parameter is unwrapped, its gradient wrapped and accumulated through DTensor's
     # Python dispatch: 30-60 us a step on a 2-core VM. Measured against the timeline instead of
     # the graphs' own calls, the larger probe's op-count error hid it (2 us).
@@ -89,36 +88,31 @@ def test_host_time_is_the_compiled_steps_time_beyond_its_graphs_own_calls(fake_p
 
 
 def test_host_time_is_zero_with_a_warning_when_the_probe_did_not_compile(fake_pg, monkeypatch):
-    cal = importlib.import_module("torch_hca.api.calibrate")  # the module: hca.calibrate is its function
-
     def uncompiled(compiled):
         raise hca.HCAError("no graph of this Sequential was compiled")
 
     monkeypatch.setattr(importlib.import_module("torch_hca.report.compile_report"), "report", uncompiled)
     with pytest.warns(UserWarning, match="call_s and param_s are 0: a probe module did not compile with hca"):
-        assert cal._host_s(dataclasses.asdict(DEFAULTS["gloo"]), torch.device("cpu"), 3) == (0.0, 0.0)
+        assert host_s(dataclasses.asdict(DEFAULTS["gloo"]), torch.device("cpu"), 3) == (0.0, 0.0)
 
 
 def test_latency_and_bandwidth_are_the_line_through_the_all_reduces():
-    cal = importlib.import_module("torch_hca.api.calibrate")
     wires = [64e3, 512e3, 4e6]
-    slope, intercept = cal._line(wires, [1e-3 + w / 2e9 for w in wires])
+    slope, intercept = _line(wires, [1e-3 + w / 2e9 for w in wires])
     assert slope == pytest.approx(1 / 2e9) and intercept == pytest.approx(1e-3)
-    assert cal._line([1.0, 1.0], [2.0, 3.0]) == (0.0, 2.5)  # no spread: no slope to read
+    assert _line([1.0, 1.0], [2.0, 3.0]) == (0.0, 2.5)  # no spread: no slope to read
 
 
 @pytest.mark.parametrize("h", [0.0, 8.0, 40.0])
 def test_matmul_half_dim_is_the_h_that_fits_both_rates(h):
     """Times of x @ w at 16 and 256 rows whose rates are d / (d + h) of one peak give back h."""
-    cal = importlib.import_module("torch_hca.api.calibrate")
     peak = 1e11
     seconds = lambda rows: 2 * rows * 512 * 512 / (peak * rows / (rows + h))
-    assert cal._half_dim(seconds(16), seconds(256)) == pytest.approx(h, abs=1e-9)
+    assert _half_dim(seconds(16), seconds(256)) == pytest.approx(h, abs=1e-9)
 
 
 def test_matmul_half_dim_is_zero_where_small_matmuls_are_not_slower():
-    cal = importlib.import_module("torch_hca.api.calibrate")
-    assert cal._half_dim(1.0, 17.0) == 0.0  # 16 rows faster per row
+    assert _half_dim(1.0, 17.0) == 0.0  # 16 rows faster per row
 
 
 # ------------------------------------------------------------ rounds: the fastest kept, noise flagged
@@ -148,32 +142,29 @@ def _slower(times, factor, *probes):
 
 
 def test_every_probe_has_a_quiet_time():
-    cal = importlib.import_module("torch_hca.api.calibrate")
-    assert tuple(QUIET) == cal.PROBES and set(cal.JUDGED) <= set(cal.PROBES)
+    assert tuple(QUIET) == PROBES and set(JUDGED) <= set(PROBES)
 
 
 def test_each_probe_keeps_its_fastest_round_and_its_spread():
-    cal = importlib.import_module("torch_hca.api.calibrate")
     rounds = [
         {"mlp_step": 1.1, "copy_16MiB": 3.0, "op": 1.0},
         {"mlp_step": 4.0, "copy_16MiB": 12.0, "op": 1.0},
         {"mlp_step": 1.2, "copy_16MiB": 2.0, "op": 1.0},
     ]
-    fastest, spread = cal._stable(rounds)
+    fastest, spread = fastest_rounds(rounds)
     assert fastest == {"mlp_step": 1.1, "copy_16MiB": 2.0, "op": 1.0}
     assert spread == pytest.approx({"mlp_step": 4.0 / 1.1 - 1, "copy_16MiB": 5.0, "op": 0.0})
 
 
 @pytest.mark.parametrize("factor,noisy", [(1.2, []), (1.5, ["mlp_step"]), (4.0, ["mlp_step"])])
 def test_a_judged_probe_slower_beyond_the_threshold_is_noisy(factor, noisy):
-    cal = importlib.import_module("torch_hca.api.calibrate")
-    _, spread = cal._stable([QUIET, _slower(QUIET, factor, "mlp_step", "op", "all_reduce_4B")])
-    assert cal._noisy(spread, 0.3) == noisy  # host times and small collectives vary even when quiet: not judged
-    assert cal._noisy(spread, math.inf) == []
+    _, spread = fastest_rounds([QUIET, _slower(QUIET, factor, "mlp_step", "op", "all_reduce_4B")])
+    assert noisy_probes(spread, 0.3) == noisy  # host times and small collectives vary even when quiet: not judged
+    assert noisy_probes(spread, math.inf) == []
 
 
 class _FakeProbes:
-    """What `_figures_of` reads of `_Probes`, without setting any up."""
+    """What `figures_of` reads of `Probes`, without setting any up."""
 
     def __init__(self, device):
         self.n, self.sizes, self.big = 4, (2**14, 2**17, 2**20), torch.empty(2**20)
@@ -185,9 +176,9 @@ def injected(fake_pg, monkeypatch):
     """`_measure` on the fake process group, its rounds' seconds taken from the list it returns."""
     cal = importlib.import_module("torch_hca.api.calibrate")
     rounds = []
-    monkeypatch.setattr(cal, "_Probes", _FakeProbes)
-    monkeypatch.setattr(cal, "_round", lambda probes, repeats: rounds.pop(0))
-    monkeypatch.setattr(cal, "_host_s", lambda figures, device, repeats: (1e-3, 2e-5))
+    monkeypatch.setattr(cal, "Probes", _FakeProbes)
+    monkeypatch.setattr(cal, "time_round", lambda probes, repeats: rounds.pop(0))
+    monkeypatch.setattr(cal, "host_s", lambda figures, device, repeats: (1e-3, 2e-5))
     return rounds
 
 

@@ -27,7 +27,7 @@ from torch_hca.compiler.options import Options
 from torch_hca.passes import collective_rewrites as cr
 from torch_hca.passes import rewrite_rules as rr
 from torch_hca.passes.infra import PassContext, run_pass
-from torch_hca.report.compile_report import GraphReport
+from torch_hca.report.records import GraphReport
 
 AR, AG, RS, A2A = "all_reduce", "all_gather", "reduce_scatter", "all_to_all"
 RULE1, RULE2, RULE3 = "reduce_scatter_of_all_reduce", "local_shard_of_all_gather", "all_to_all_round_trip"

@@ -14,11 +14,8 @@ SOURCES = ("torch_hca", "passes", "backends")
 MODULE_LINES = 450
 FUNCTION_LINES = 80  # from `def` to the body's last line, decorators not counted
 
-# Over the module limit; each is being changed by other work, split it when that lands.
-MODULES_OVER = {
-    "torch_hca/report/compile_report.py",  # the report's records and tables (654 lines)
-    "torch_hca/api/calibrate.py",  # measuring the cost model (539 lines)
-}
+# Over the module limit: none today; the set may only stay empty (split a module along its concepts instead).
+MODULES_OVER: set[str] = set()
 # Over the function limit: none today; the set may only stay empty.
 FUNCTIONS_OVER: set[str] = set()
 

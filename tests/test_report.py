@@ -114,7 +114,7 @@ def test_report_never_matches_a_dead_models_graph(fake_pg):
 
 
 def test_graph_report_checks_identity_not_just_id():
-    from torch_hca.report.compile_report import GraphReport
+    from torch_hca.report.records import GraphReport
 
     g = GraphReport(index=0, options=None)
     old, new = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
@@ -154,7 +154,7 @@ def test_measured_sets_the_clock_beside_the_prediction(fake_pg):
 
 
 def test_module_paths_as_people_write_them():
-    from torch_hca.report.compile_report import module_path
+    from torch_hca.report.text import module_path
 
     assert module_path("getattr(L['self'].__dict__['_hca_logical'].inner.blocks, '0').attn.wq") == "blocks.0.attn.wq"
     assert module_path("L['self'].__dict__['_hca_logical'].inner.norm") == "norm"
@@ -175,7 +175,7 @@ def test_rules_name_mesh_dimensions_where_the_mesh_has_names():
 def test_report_rule_cells_are_at_most_three_lines_and_json_keeps_them_whole(fake_pg):
     rep = hca.report(compile_mlp())
     rule = rep.graph.collectives[0].rule = "why " * 100
-    from torch_hca.report.compile_report import WIDTH
+    from torch_hca.report.text import WIDTH
 
     lines = rep.table(WIDTH).splitlines()
     assert len(lines) == 4 and lines[-1].endswith("...") and all(len(line) <= WIDTH for line in lines)
@@ -186,8 +186,8 @@ def test_report_rule_cells_are_at_most_three_lines_and_json_keeps_them_whole(fak
 
 
 def test_moves_name_mesh_dims_as_the_mesh_does():
-    from torch_hca.report.compile_report import _mesh_dims_named
+    from torch_hca.report.text import mesh_dims_named
 
-    assert _mesh_dims_named("all_gather@0, all_reduce@1", ["dp", "tp"]) == "all_gather@dp, all_reduce@tp"
-    assert _mesh_dims_named("all_reduce@0", []) == "all_reduce@0"  # an unnamed mesh keeps its dim numbers
-    assert _mesh_dims_named("local", ["dp"]) == "local"
+    assert mesh_dims_named("all_gather@0, all_reduce@1", ["dp", "tp"]) == "all_gather@dp, all_reduce@tp"
+    assert mesh_dims_named("all_reduce@0", []) == "all_reduce@0"  # an unnamed mesh keeps its dim numbers
+    assert mesh_dims_named("local", ["dp"]) == "local"

@@ -25,7 +25,7 @@ from torch_hca.spmd.collective_nodes import OPS, WAIT, node_payload
 from torch_hca.compiler.options import Options
 from torch_hca.passes.infra import PassContext, run_pass
 from torch_hca.passes.schedule import SchedulePass
-from torch_hca.report.compile_report import GraphReport
+from torch_hca.report.records import GraphReport
 from torch_hca.compiler.checks.schedule_check import check_order
 
 c10d = torch.ops._c10d_functional

@@ -31,7 +31,7 @@ from torch_hca.passes import collective_rewrites
 from torch_hca.passes.infra import PassContext
 from torch_hca.passes.origins import Origin, Origins
 from torch_hca.passes.transpose import PARTNER, RULE, BackwardKeptPass, TransposePass, backward_nodes
-from torch_hca.report.compile_report import GraphReport
+from torch_hca.report.records import GraphReport
 
 c10d = torch.ops._c10d_functional
 LAYERS = 4

@@ -11,7 +11,8 @@ import torch
 import torch_hca as hca
 from torch_hca.backends.tune import Candidate, Tuned, candidate_options, pick
 from torch_hca.compiler.options import Options
-from torch_hca.report.compile_report import GraphReport, tuning_line
+from torch_hca.report.records import GraphReport
+from torch_hca.report.text import tuning_line
 from torch_hca.spmd.cost_model import DEFAULTS, CostModel
 from torch_hca.tools import zoo
 

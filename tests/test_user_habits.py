@@ -30,7 +30,8 @@ from torch_hca.tools import bench, demo, zoo
 from torch_hca.compiler.options import Options
 from torch_hca.passes import infra
 from torch_hca.tools.progress import Progress
-from torch_hca.report.compile_report import WIDTH, GraphReport, readable_code
+from torch_hca.report.records import GraphReport
+from torch_hca.report.text import WIDTH, readable_code
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,2 +1,2 @@
-"""What a compile decided, for people: typed records, the tables (`compile_report`), the predicted
-step (`timeline`)."""
+"""What a compile decided, for people: the typed records (`records`, `layout_record`), their text
+(`text`), the report of a compiled module (`compile_report`), the predicted step (`timeline`)."""

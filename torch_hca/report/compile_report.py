@@ -1,7 +1,8 @@
 """`hca.report`: what the compiler did, for people and for tests.
 
-One `GraphReport` per graph Dynamo hands the backend (a graph break makes
-two); a `CompileReport` gathers those of one compiled module.
+One `GraphReport` (`torch_hca.report.records`) per graph Dynamo hands the backend (a graph
+break makes two); a `CompileReport` gathers those of one compiled module and reads them out
+as text (`torch_hca.report.text`) and JSON.
 """
 
 from __future__ import annotations
@@ -9,11 +10,9 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
-import re
 import textwrap
 import weakref
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -23,184 +22,9 @@ from torch_hca.errors import HCAError
 from torch_hca.spmd.cost_model import CostModel
 from torch_hca.spmd.collective_nodes import nbytes
 from torch_hca.spmd.placements import dtype_str, layout_str, partial_dims
-from torch_hca.report.layout_record import LayoutRecord
 from torch_hca.report.parallelism import sentence
-
-if TYPE_CHECKING:
-    from torch_hca.compiler.checks.uneven import UnevenShares
-
-
-# ----------------------------------------------------------------------------- text for people
-
-WIDTH = 120  # the widest line str(report), table(WIDTH) and the demo print
-
-
-def readable_code(code: str, width: int = WIDTH) -> str:
-    """FX code with no line wider than ``width``, for people (``dtensor_code`` stays as FX wrote it).
-
-    A statement's trailing ``;  a = b = None`` (where FX lets values go) gets its
-    own line; a long call, signature or tuple puts one item per line::
-
-        def forward(
-            self,
-            L_self_modules_fc1_parameters_weight_ : torch.distributed.tensor.DTensor,
-            ...
-        ):
-    """
-    out: list[str] = []
-    for line in code.strip("\n").splitlines():
-        indent = line[: len(line) - len(line.lstrip())]
-        for statement in _top_level(line.strip(), ";"):
-            if statement.strip():
-                out += _fit(indent + statement.strip(), width)
-    return "\n".join(out)
-
-
-def _scan(text: str):
-    """(index, character, bracket depth before it) for each character outside string literals."""
-    depth, quote = 0, None
-    for i, ch in enumerate(text):
-        if quote is not None:
-            if ch == quote and text[i - 1] != "\\":
-                quote = None
-        elif ch in "'\"":
-            quote = ch
-        else:
-            yield i, ch, depth
-            depth += (ch in "([{") - (ch in ")]}")
-
-
-def _top_level(text: str, sep: str) -> list[str]:
-    """``text`` cut at each ``sep`` outside brackets and strings."""
-    cuts = [i for i, ch, depth in _scan(text) if ch == sep and depth == 0]
-    return [text[a + 1 : b] for a, b in zip([-1, *cuts], [*cuts, len(text)])]
-
-
-def _fit(line: str, width: int) -> list[str]:
-    """One line of code as lines of at most ``width``: the first bracket's items one per line, else wrapped."""
-    if len(line) <= width:
-        return [line]
-    indent = line[: len(line) - len(line.lstrip())]
-    scanned = list(_scan(line))
-    opening = next(((i, depth) for i, ch, depth in scanned if ch in "([{"), None)
-    end = (
-        None
-        if opening is None
-        else next((i for i, ch, depth in scanned if i > opening[0] and ch in ")]}" and depth == opening[1] + 1), None)
-    )
-    if end is None:  # no brackets (`a = b = None`): cut at spaces, continued with a backslash
-        cut = textwrap.wrap(
-            line.strip(), width - 2, initial_indent=indent, subsequent_indent=indent + " " * 8, break_on_hyphens=False
-        )
-        return [piece + " \\" for piece in cut[:-1]] + cut[-1:]
-    start = opening[0]
-    inner = line[start + 1 : end]
-    items = [item.strip() for item in _top_level(inner, ",") if item.strip()]
-    comma = "," if len(items) > 1 or inner.rstrip().endswith(",") else ""  # (x,) stays a tuple
-    lines = _fit(line[: start + 1], width)
-    for item in items:
-        lines += _fit(f"{indent}    {item}{comma}", width)
-    return lines + _fit(indent + line[end:], width)
-
-
-@dataclass
-class CollectiveRecord:
-    """One collective in the compiled forward or backward graph."""
-
-    kind: str  # collective_kinds.Kind value
-    group: str  # process group name
-    group_size: int
-    bytes: int  # the full logical buffer (payload)
-    wire_bytes: float  # bytes one rank sends in a ring implementation
-    direction: str  # "forward" or "backward"
-    node: str  # node name in the graph
-    dtype: str
-    shape: tuple[int, ...]
-    partner: str | None = None  # the collective this one transposes
-    rule: str = ""  # why it is there
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-@dataclass
-class Redistribution:
-    """A placement change in the DTensor program, explicit as a node."""
-
-    node: str
-    value: str
-    src: str
-    dst: str
-    reason: str
-    costed: str = ""  # the collectives the layout solver charges for it, as kind@mesh dim
-    emitted: str = ""  # the forward collectives traced from it (the transpose pass reads their origin tags)
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-@dataclass
-class PassRecord:
-    name: str
-    reads: str
-    writes: str
-    changed: bool
-    decisions: list[str] = field(default_factory=list)
-    seconds: float = 0.0  # wall time of the pass (compile-time profile)
-
-
-CALLS_KEPT = 256  # the most recent calls of each compiled graph whose wall time is kept
-
-
-@dataclass
-class GraphReport:
-    """Everything one graph went through, stage by stage."""
-
-    index: int
-    options: Any
-    mesh: dict[str, Any] | None = None
-    dynamo_graph: fx.GraphModule | None = None
-    dtensor_program: fx.GraphModule | None = None
-    joint: fx.GraphModule | None = None
-    forward: fx.GraphModule | None = None
-    backward: fx.GraphModule | None = None
-    inference: bool = False
-    collectives: list[CollectiveRecord] = field(default_factory=list)
-    redistributions: list[Redistribution] = field(default_factory=list)
-    implicit_redistributions: list[str] = field(default_factory=list)
-    run_replicated: list[str] = field(default_factory=list)  # ops DTensor has no rule for (lift pass)
-    random_draws: list[str] = field(default_factory=list)  # "node: aten op" drawing random numbers (lift pass)
-    refinement: dict[str, float] | None = None  # option check: relative error of each output and gradient
-    refinement_skipped: str | None = None  # option check asked for, and why it did not run
-    uneven: UnevenShares | None = None  # the shares the inputs are cut by
-    weighted_means: list[str] = field(default_factory=list)  # partial means over uneven ranks, weighted by share
-    parameters: dict[str, dict[str, Any]] = field(default_factory=dict)
-    values: dict[str, dict[str, Any]] = field(default_factory=dict)
-    passes: list[PassRecord] = field(default_factory=list)
-    schedules: dict[str, dict[str, Any]] = field(default_factory=dict)
-    layout: LayoutRecord = field(default_factory=LayoutRecord)  # the layout pass's decision (see explain())
-    # Option layout="tune": on the program kept, each candidate's time (`torch_hca.backends.tune`);
-    # on the others, why they were dropped (hca.report leaves them out).
-    tuning: dict[str, Any] | None = None
-    dropped: str | None = None
-    # Wall seconds of the compiled forward's and backward's recent calls after the first
-    # (backends/pipeline.py times them; CPU meshes only), for `CompileReport.measured`.
-    call_times: dict[str, collections.deque] = field(
-        default_factory=lambda: {w: collections.deque(maxlen=CALLS_KEPT) for w in ("forward", "backward")}
-    )
-    # The parameters the graph reads, by id, held weakly: ids of dead parameters
-    # are reused by new ones, so a match must also be the same object.
-    param_refs: dict[int, weakref.ref] = field(default_factory=dict)
-
-    def add_parameter(self, p: torch.Tensor) -> None:
-        self.param_refs[id(p)] = weakref.ref(p)
-
-    def reads_any(self, params: list[torch.Tensor]) -> bool:
-        return any((r := self.param_refs.get(id(p))) is not None and r() is p for p in params)
-
-    @property
-    def dtensor_code(self) -> str:
-        return self.dtensor_program.code if self.dtensor_program is not None else ""
+from torch_hca.report.records import CollectiveRecord, GraphReport, StepMeasure, StepTimelines
+from torch_hca.report.text import WIDTH, aligned, bytes_text, dotted, mesh_dims_named, readable_code, tuning_line
 
 
 # Every graph compiled in this process, in order.
@@ -216,11 +40,6 @@ def new_graph_report(options: Any) -> GraphReport:
     g = GraphReport(index=len(_GRAPHS), options=options)
     _GRAPHS.append(g)
     return g
-
-
-def _bytes_text(n) -> str:
-    """A byte count as the table prints it; under dynamic shapes a symbolic one (``128*s33``) as its expression."""
-    return f"{n:.0f}" if isinstance(n, (int, float)) else str(n)
 
 
 class CompileReport:
@@ -276,23 +95,23 @@ class CompileReport:
                         "x".join(map(str, c.shape)) or "scalar",
                         dtype_str(c.dtype),
                         str(c.bytes),
-                        _bytes_text(c.wire_bytes),
+                        bytes_text(c.wire_bytes),
                         c.partner or "-",
                         c.rule,
                     )
                 )
-        return _aligned(rows, width) if len(rows) > 1 else "(no collectives in the compiled graphs)"
+        return aligned(rows, width) if len(rows) > 1 else "(no collectives in the compiled graphs)"
 
     def moves(self) -> str:
         """Every explicit move: value, layouts, what the solver costed next to what was emitted, and why."""
         rows = [("graph", "node", "value", "src -> dst", "costed", "emitted", "reason")]
         for position, g in enumerate(self.graphs):
-            named = lambda kinds: _mesh_dims_named(kinds, (g.mesh or {}).get("names") or [])
+            named = lambda kinds: mesh_dims_named(kinds, (g.mesh or {}).get("names") or [])
             rows += [
                 (
                     str(position),
                     r.node,
-                    _dotted(r.value),
+                    dotted(r.value),
                     f"{r.src} -> {r.dst}",
                     named(r.costed) or "-",
                     named(r.emitted) or "-",
@@ -300,7 +119,7 @@ class CompileReport:
                 )
                 for r in g.redistributions
             ]
-        return _aligned(rows, WIDTH) if len(rows) > 1 else "(no moves in the DTensor programs)"
+        return aligned(rows, WIDTH) if len(rows) > 1 else "(no moves in the DTensor programs)"
 
     def partial_gradients(self) -> list[dict[str, Any]]:
         """Parameters whose current ``.grad`` is still Partial.
@@ -497,137 +316,6 @@ class CompileReport:
             lines = [f"{p['parameter']} {p['placements']} {p['bytes']} bytes" for p in pending]
             parts.append("== gradients left Partial, reduced outside the graphs on first use ==\n" + "\n".join(lines))
         return "\n\n".join(parts)
-
-
-@dataclass(frozen=True)
-class StepMeasure:
-    """`CompileReport.measured()`: a step's compiled graphs, predicted and on the clock."""
-
-    predicted_s: float  # the scheduled timeline's forward + backward, less the host work around calls
-    measured_s: float  # the sum over the compiled graphs of each one's median call
-    calls: int  # calls timed per graph (the fewest of any graph)
-    per_graph_s: dict[str, float]  # "graph0.forward" -> its median call
-
-    @property
-    def error(self) -> float:
-        """How far the prediction is off: predicted / measured - 1 (-0.2: 20% too fast)."""
-        return self.predicted_s / self.measured_s - 1
-
-    def __str__(self) -> str:
-        return (
-            f"predicted {self.predicted_s * 1e3:.2f} ms vs measured {self.measured_s * 1e3:.2f} ms "
-            f"(median of {self.calls}+ calls per graph) for the compiled forward + backward: "
-            f"the cost model is off by {self.error:+.0%}"
-        )
-
-
-def tuning_line(tuning: dict[str, Any]) -> str:
-    """One line: the candidates layout="tune" timed, the one kept first."""
-    failed = "".join(f"; not compiled: {f}" for f in tuning.get("failed", []))
-    if len(tuning["candidates"]) == 1:
-        return f"tuned: one program to run ({tuning['candidates'][0]['layout']}), nothing timed{failed}"
-    times = ", ".join(
-        f"{c['layout']} {c['median_s'] * 1e3:.2f} ms"
-        + ("" if c["predicted_s"] is None else f" (predicted {c['predicted_s'] * 1e3:.2f})")
-        for c in tuning["candidates"]
-    )
-    return (
-        f"tuned: kept {tuning['kept']} of {len(tuning['candidates'])} distinct layouts, by the slowest rank's "
-        f"median of {tuning['rounds']} forward + backward runs on the first call's inputs: {times}{failed}"
-    )
-
-
-def _aligned(rows: list[tuple[str, ...]], width: int | None) -> str:
-    """Rows as aligned columns; given ``width``, a row wider than it wraps its last (free text) column."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for r in rows:
-        line = "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()
-        lines += [line] if width is None or len(line) <= width else _wrap_last_column(r, widths, width)
-    return "\n".join(lines)
-
-
-def _mesh_dims_named(kinds: str, names: list[str]) -> str:
-    """``"all_gather@0"`` -> ``"all_gather@dp"`` where the mesh names its dims."""
-    return re.sub(r"@(\d+)", lambda m: "@" + (names[int(m[1])] if int(m[1]) < len(names) else m[1]), kinds or "")
-
-
-def _dotted(name: str) -> str:
-    """Dynamo's name of a module attribute as people write it: ``l_self_modules_fc2_parameters_bias_`` -> ``fc2.bias``."""
-    if not name.startswith("l_self_"):
-        return name
-    path = name[len("l_self_") :].rstrip("_")
-    for kind in ("modules", "parameters", "buffers"):  # "<kind>_" opens each step of the path
-        path = re.sub(rf"(^|_){kind}_", lambda m: "." if m.group(1) else "", path)
-    return path
-
-
-_GETATTR = re.compile(r"getattr\(([^(),]*), '([^']*)'\)")
-_SUBSCRIPT = re.compile(r"\[['\"]([^'\"]*)['\"]\]")
-# Steps of a Dynamo source that are no step of the module path a user writes.
-_NOT_A_STEP = {"__dict__", "_modules", "_parameters", "_buffers"}
-
-
-def module_path(source: str) -> str:
-    """Dynamo's source of a submodule or parameter as people write it.
-
-    ``getattr(L['self'].__dict__['_hca_logical'].inner.blocks, '0').attn.wq`` -> ``blocks.0.attn.wq``,
-    ``L['self']._modules['fc1']`` -> ``fc1``; the root module itself is ``""``. Text that is no
-    such source comes back unchanged.
-    """
-    if not source.startswith(("L[", "getattr(")):
-        return source
-    path = source
-    while True:  # getattr(x, 'k') -> x.k, innermost first
-        shorter = _GETATTR.sub(r"\1.\2", path)
-        if shorter == path:
-            break
-        path = shorter
-    path = _SUBSCRIPT.sub(r".\1", path)  # x['k'] -> x.k
-    steps = [s for s in path.split(".") if s and s not in _NOT_A_STEP]
-    if steps[:2] == ["L", "self"] or steps[:1] == ["L"]:
-        steps = steps[2:] if steps[1:2] == ["self"] else steps[1:]
-    if "_hca_logical" in steps:  # hca.sharded's holder of the user's module (torch_hca.compiler.logical)
-        steps = steps[steps.index("_hca_logical") + 1 :]
-        steps = steps[1:] if steps[:1] == ["inner"] else steps
-    return ".".join(steps)
-
-
-def _wrap_last_column(row: tuple[str, ...], widths: list[int], width: int) -> list[str]:
-    """A table row whose last column (free text) wraps within the column, or below the row if it is too narrow."""
-    prefix = "  ".join(v.ljust(w) for v, w in zip(row[:-1], widths[:-1])) + "  "
-    room = width - len(prefix)
-    if room >= 30:
-        text = _at_most(textwrap.wrap(row[-1], room, break_on_hyphens=False), room)
-        return [prefix + text[0]] + [" " * len(prefix) + t for t in text[1:]]
-    head = textwrap.wrap(prefix.rstrip(), width, subsequent_indent="    ")
-    return head + _at_most(
-        textwrap.wrap(row[-1], width, initial_indent="    ", subsequent_indent="    ", break_on_hyphens=False), width
-    )
-
-
-CELL_LINES = 3  # a wrapped cell's most lines; the whole text is in to_json() and debug_dir's collectives.txt
-
-
-def _at_most(lines: list[str], width: int, most: int = CELL_LINES) -> list[str]:
-    """A wrapped cell cut to `most` lines, the last ending in ``...`` when text was left out."""
-    if len(lines) <= most:
-        return lines
-    last = lines[most - 1]
-    return lines[: most - 1] + [(last if len(last) <= width - 3 else last[: width - 3].rstrip()) + "..."]
-
-
-@dataclass
-class StepTimelines:
-    before: Any  # torch_hca.report.timeline.Timeline
-    after: Any
-
-    def summary(self) -> str:
-        b, a = self.before, self.after
-        return (
-            f"exposed communication {b.exposed_comm_s * 1e6:.1f} us -> {a.exposed_comm_s * 1e6:.1f} us; "
-            f"step {b.total_s * 1e6:.1f} us -> {a.total_s * 1e6:.1f} us (estimated)"
-        )
 
 
 def report(compiled: Any = None) -> CompileReport:

@@ -19,7 +19,8 @@ import torch
 from torch_hca.runtime.launch import launch
 from torch_hca.runtime.mesh import init_mesh
 from torch_hca.api.plan import sharded
-from torch_hca.report.compile_report import WIDTH, readable_code, report
+from torch_hca.report.compile_report import report
+from torch_hca.report.text import WIDTH, readable_code
 from . import zoo
 from .progress import Progress
 
