@@ -470,7 +470,7 @@ def conv_data_parallel(trust_dtensor_conv_rule: bool, bf16: bool = False) -> dic
             except CheckError as e:
                 return {"check_error": str(e)}
             want = ref(x)
-        reads = [row["reads"] for g in hca.report(compiled).graphs for row in g.layout.values if row["reads"]]
+        reads = [list(row.reads) for g in hca.report(compiled).graphs for row in g.layout.values if row.reads]
         return {
             "out_err": rel_err(full(out.float(), mesh, case.outputs), want.float()),
             "reads": reads,

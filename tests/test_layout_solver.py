@@ -9,6 +9,8 @@ Numerics of the same layouts are checked on real ranks in test_parity.py.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn as nn
@@ -19,6 +21,7 @@ from torch_hca.compiler.layout import candidates as layout_candidates
 from torch_hca.compiler.layout import probes as layout_probes
 from torch_hca.compiler.layout import solver as layout_solver
 from torch_hca.compiler.layout.move_costs import Costs
+from torch_hca.compiler.layout.value_row import ValueRow
 from torch_hca.tools import zoo
 
 from dist_cases import NormMLP
@@ -72,9 +75,9 @@ def test_sequence_parallel_when_activation_memory_costs(fake_pg):
     fw, bw = counts(tight)
     # Reduce-scatter into a sequence-sharded residual + norm region, all-gather out of it.
     assert "all_reduce" not in fw and fw["reduce_scatter"] == 2 and fw["all_gather"] >= 2, fw
-    values = {r["value"]: r for r in tight.graph.layout.values}
-    assert values["layer_norm_1"]["placement"] == "(S(1))"
-    assert values["layer_norm"]["placement"] == "(R)"  # the input is replicated and needs no gradient
+    values = {r.value: r for r in tight.graph.layout.values}
+    assert values["layer_norm_1"].placement == "(S(1))"
+    assert values["layer_norm"].placement == "(R)"  # the input is replicated and needs no gradient
     # Backward: the transposes (all-gather <-> reduce-scatter) and the norm weights' partial gradients.
     assert bw.get("all_gather") == 2 and bw.get("reduce_scatter", 0) >= 1, bw
 
@@ -159,10 +162,22 @@ def test_explain_names_every_value_and_why(fake_pg):
     text = rep.explain()
     assert "layout by milp (scipy HiGHS), optimal" in text
     for row in rep.graph.layout.values:
-        assert row["value"][:24] in text
+        assert row.value[:24] in text
     assert "parameter storage" in text
     assert "linear" in text and "beat (R)" in text
     assert rep.strategy()["graphs"][0]["layout"]["solver"] == "milp (scipy HiGHS)"
+
+
+def test_value_rows_are_typed_and_the_json_keeps_their_keys(fake_pg):
+    """The solver writes one `ValueRow` per value; the report's JSON has each as the dict it always had."""
+    rep = compile_and_step(hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP(16, 32)), torch.randn(8, 16))
+    rows = rep.graph.layout.values
+    assert rows and all(isinstance(r, ValueRow) for r in rows)
+    written = json.loads(rep.to_json())["graphs"][0]["layout"]["values"]
+    keys = {"value", "shape", "placement", "reads", "compute_us", "forward_comm_us", "backward_comm_us", "memory_bytes"}
+    assert [set(d) for d in written] == [keys | {"why"}] * len(rows)
+    assert written == [r.as_dict() for r in rows]
+    assert all(isinstance(d["shape"], list) and isinstance(d["reads"], list) for d in written)
 
 
 def test_dtensor_layout_option_keeps_dtensors_choices(fake_pg):

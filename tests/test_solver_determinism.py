@@ -50,7 +50,7 @@ def placements(model, x, loss=lambda out, x: out.sum()):
     compiled = torch.compile(model, backend="hca", options={"strict": True, "schedule": False}, dynamic=False)
     loss(compiled(x), x).backward()
     rep = hca.report(compiled)
-    return [[(r["value"], r["placement"], r["reads"]) for r in g.layout.values] for g in rep.graphs]
+    return [[(r.value, r.placement, r.reads) for r in g.layout.values] for g in rep.graphs]
 
 
 torch.manual_seed(0)

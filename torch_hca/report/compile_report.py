@@ -276,9 +276,9 @@ class CompileReport:
                 )
                 for r in rows:
                     lines.append(
-                        f"{r['value'][:24]:<24} {str(tuple(r['shape'])):<14} {r['placement']:<10} "
-                        f"{','.join(r['reads']):<24} {r['compute_us']:>7.1f}us {r['forward_comm_us']:>7.1f}us "
-                        f"{r['backward_comm_us']:>7.1f}us  {r['why']}"
+                        f"{r.value[:24]:<24} {str(tuple(r.shape)):<14} {r.placement:<10} "
+                        f"{','.join(r.reads):<24} {r.compute_us:>7.1f}us {r.forward_comm_us:>7.1f}us "
+                        f"{r.backward_comm_us:>7.1f}us  {r.why}"
                     )
             for left in lay.left_to_dtensor:
                 lines.append(f"moved by DTensor's choice, not the solver's: {left}")

@@ -8,9 +8,12 @@ has no objective); `as_dict` leaves those out, as the strategy's JSON has them.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+
+from torch_hca.compiler.layout.value_row import ValueRow
 
 
 @dataclass
@@ -26,8 +29,8 @@ class LayoutRecord:
     replay_seconds: float | None = None  # replaying a strategy file's moves
     cost_model: dict[str, float] | None = None  # the figures it priced with (CostModel.as_dict())
     cost_model_source: str | None = None  # where they came from: defaults, a calibration, overrides
-    # One row per value: its placement, the cost terms and why (`torch_hca.compiler.layout.solver`).
-    values: list[dict[str, Any]] = field(default_factory=list)
+    # One row per value: its placement, the cost terms and why (`torch_hca.compiler.layout.value_row`).
+    values: list[ValueRow] = field(default_factory=list)
     left_to_dtensor: list[str] = field(default_factory=list)  # moves DTensor still made on its own
     strategy_facts: dict[str, Any] | None = None  # the graph's facts for the strategy file (docs/strategy.md)
 
@@ -37,4 +40,7 @@ class LayoutRecord:
         return self.objective_s is not None
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        """The record as the report's JSON has it: each row `ValueRow.as_dict()`, no None fields."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["values"] = [row.as_dict() for row in self.values]
+        return {k: copy.deepcopy(v) for k, v in fields.items() if v is not None}

@@ -15,6 +15,7 @@ import math
 from collections import Counter
 from typing import Any
 
+from torch_hca.compiler.layout.value_row import ValueRow
 from torch_hca.spmd.placements import layout_texts, text_letter
 
 # A move on one mesh dimension, by its source and destination letters.
@@ -54,15 +55,13 @@ def _moves(redistributions: list[Any], parameters: set[str]) -> Counter:
     return moves
 
 
-def _split_share(rows: list[dict[str, Any]]) -> float | None:
+def _split_share(rows: list[ValueRow]) -> float | None:
     """The share of the predicted compute that runs split (some piece a Shard) over the ranks."""
-    total = sum(r["compute_us"] for r in rows)
+    total = sum(r.compute_us for r in rows)
     if not total:
         return None
     split = sum(
-        r["compute_us"]
-        for r in rows
-        if any(_letter(p) == "S" for lay in (r["placement"], *r["reads"]) for p in placements(lay))
+        r.compute_us for r in rows if any(_letter(p) == "S" for lay in (r.placement, *r.reads) for p in placements(lay))
     )
     return split / total
 
@@ -102,7 +101,7 @@ def sentence(g: Any) -> str:
     mesh = g.mesh or {}
     ranks = math.prod(mesh.get("shape") or [1])
     stored, sharded = _storage(g.parameters)
-    inputs = sorted({r["placement"] for r in lay.values if r.get("why") in _INPUT_WHY})
+    inputs = sorted({r.placement for r in lay.values if r.why in _INPUT_WHY})
     if inputs:
         stored += f", inputs {' '.join(inputs)}"
     moves = _moves(g.redistributions, {info["graph_input"] for info in g.parameters.values()})

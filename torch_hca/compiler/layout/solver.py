@@ -37,7 +37,6 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch.distributed as dist
@@ -45,6 +44,7 @@ import torch.fx as fx
 
 from torch_hca.compiler.layout.candidates import Layout, Op, Strategy, split_factor, value_bytes
 from torch_hca.compiler.layout.move_costs import Costs
+from torch_hca.compiler.layout.value_row import ValueRow
 from torch_hca.spmd.placements import layout_str
 from torch_hca.errors import PlanError
 from torch_hca.runtime.exchange import exchange, needs_exchange
@@ -58,7 +58,7 @@ class Solution:
     bound_s: float | None
     status: str
     seconds: float
-    explain: list[dict[str, Any]] = field(default_factory=list)
+    explain: list[ValueRow] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------- the integer program
@@ -383,9 +383,7 @@ def as_written(ops: list[Op], memory_weight: float) -> dict[fx.Node, Strategy]:
 # ----------------------------------------------------------------------------- explanations
 
 
-def explain_rows(
-    ops: list[Op], costs: Costs, choice: dict[fx.Node, Strategy], memory_weight: float
-) -> list[dict[str, Any]]:
+def explain_rows(ops: list[Op], costs: Costs, choice: dict[fx.Node, Strategy], memory_weight: float) -> list[ValueRow]:
     """Per value: shape, layout, cost terms, and why (a constraint, or the alternative it beat)."""
     edges = _edges(ops)
     incoming: dict[fx.Node, list[_Edge]] = {}
@@ -426,16 +424,16 @@ def explain_rows(
                 f"by {delta * 1e6:.1f} us ({len(op.strategies)} candidates)"
             )
         rows.append(
-            {
-                "value": op.node.name,
-                "shape": list(op.value.shape),
-                "placement": layout_str(s.output),
-                "reads": [layout_str(l) for l in s.inputs],
-                "compute_us": s.compute_s * 1e6,
-                "forward_comm_us": fw * 1e6,
-                "backward_comm_us": bw * 1e6,
-                "memory_bytes": s.memory_bytes,
-                "why": why,
-            }
+            ValueRow(
+                value=op.node.name,
+                shape=tuple(op.value.shape),
+                placement=layout_str(s.output),
+                reads=tuple(layout_str(l) for l in s.inputs),
+                compute_us=s.compute_s * 1e6,
+                forward_comm_us=fw * 1e6,
+                backward_comm_us=bw * 1e6,
+                memory_bytes=s.memory_bytes,
+                why=why,
+            )
         )
     return rows
