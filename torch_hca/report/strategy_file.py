@@ -16,6 +16,7 @@ import json
 import math
 import os
 import re
+from importlib.metadata import version
 from typing import Any
 
 import torch
@@ -316,8 +317,6 @@ def model_digest(model: dict) -> str:
 
 def build(rep: Any) -> dict:
     """The strategy file's content for a `CompileReport`."""
-    import torch_hca
-
     graphs = [g for g in rep.graphs if g.dtensor_program is not None]
     if not graphs or any(g.layout.strategy_facts is None for g in graphs):
         raise StrategyError(
@@ -344,7 +343,7 @@ def build(rep: Any) -> dict:
     return {
         "schema": SCHEMA,
         "version": VERSION,
-        "made_by": {"torch_hca": torch_hca.__version__, "torch": torch.__version__},
+        "made_by": {"torch_hca": version("torch_hca"), "torch": torch.__version__},
         "mesh": mesh,
         "world_size": math.prod(mesh["shape"]),
         "model": model,
