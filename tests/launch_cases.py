@@ -98,3 +98,37 @@ def rss_drop_after_freeing_64_mib() -> int:
     held = rss()
     del t
     return held - rss()
+
+
+def leaving_nothing_compiled(fn, *args):
+    """``fn(*args)``, then nothing it compiled left for the world's next tests (a command's own ranks end
+    with their process): Dynamo's caches and DTensor's sharding decisions cleared."""
+    from torch_hca._torch_private import clear_dtensor_sharding_cache
+
+    try:
+        return fn(*args)
+    finally:
+        torch._dynamo.reset()
+        clear_dtensor_sharding_cache()
+
+
+def example_main(path: str) -> str:
+    """Run ``main()`` of the example script at `path` on this rank, as each rank that ``hca.run(main, n)``
+    starts does (the script imported by path as a module, not run as ``__main__``); return what it printed."""
+    import contextlib
+    import importlib.util
+    import io
+    import sys
+
+    name = "hca_example_" + os.path.basename(path).removesuffix(".py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # Dynamo looks its classes up by name
+    out = io.StringIO()
+    try:
+        torch._dynamo.reset()
+        with contextlib.redirect_stdout(out):
+            spec.loader.exec_module(module)
+            leaving_nothing_compiled(module.main)
+    finally:
+        del sys.modules[name]
+    return out.getvalue()
