@@ -162,15 +162,15 @@ def gpt2(dropout: float = 0.0) -> Built:
     return LogitsOf(hf, ("input_ids",)), token_inputs, lm_loss
 
 
-def llama() -> Built:
+def llama(layers: int = 2) -> Built:
     """Grouped-query attention with 8 query heads over 4 kv heads (head_dim 4), RoPE,
     RMSNorm, SwiGLU, untied head. Not 4 heads over 2 kv heads: the kv heads must divide
     by the tensor-parallel degree (4) or a Megatron shard of k_proj/v_proj would cut
-    a kv head in half."""
+    a kv head in half. `layers`: 2 in the zoo (tests/uneven_cases.py compiles 1)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         hidden_size=32,
         num_attention_heads=8,
         num_key_value_heads=4,

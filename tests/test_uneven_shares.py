@@ -86,7 +86,7 @@ def test_results_follow_the_inputs_shares(fake_pg):
 # gradients and parameters within 5e-7. Left out of the suite for its 25-50 s of compiling.
 # torch's DTensor test Transformer at 1:2 passed the same case by hand (25 s of compiling).
 CASES = [  # (model, shares, global batch)
-    ("llama", (3, 5), 8),  # GQA: 8 query heads over 4 kv heads
+    ("llama", (3, 5), 8),  # HF Llama, 1 layer (uneven_cases.llama); GQA: 8 query heads over 4 kv heads
     ("deep_mlp", (1, 1), 4),
 ]
 

@@ -33,13 +33,19 @@ def deep_mlp() -> model_zoo.Built:
 
 
 def zoo_gpt() -> model_zoo.Built:
+    """One block, not 2: the (dp, tp) case's 4 ranks each compile it with a dynamic batch, on 2 cores."""
     from torch_hca.tools import zoo
 
     return (
-        zoo.GPT(vocab=model_zoo.VOCAB, dim=32, heads=4, hidden=64, layers=2),
+        zoo.GPT(vocab=model_zoo.VOCAB, dim=32, heads=4, hidden=64, layers=1),
         model_zoo.token_inputs,
         model_zoo.lm_loss,
     )
+
+
+def llama() -> model_zoo.Built:
+    """The zoo's HF Llama (tests/model_zoo.py: GQA, RoPE, HF's masks) with 1 decoder layer, not 2."""
+    return model_zoo.llama(layers=1)
 
 
 def dp_by_shares(
@@ -62,7 +68,7 @@ def dp_by_shares(
     mesh = hca.init_mesh((n, 2), ("dp", "tp")) if megatron else hca.init_mesh()
     rank = mesh.get_coordinate()[0]
     torch.manual_seed(0)
-    ref, make_inputs, loss_fn = {"deep_mlp": deep_mlp, "zoo_gpt": zoo_gpt}.get(
+    ref, make_inputs, loss_fn = {"deep_mlp": deep_mlp, "zoo_gpt": zoo_gpt, "llama": llama}.get(
         model_name, lambda: model_zoo.build(model_name)
     )()
     cut = (hca.Shard(0, shares=shares), hca.Replicate()) if megatron else hca.Shard(0, shares=shares)
