@@ -105,6 +105,7 @@ def run(tmp_path_factory, worlds):
         "10",
         "--hca-options",
         '{"input_check": "values"}',  # the default: the flag's plumbing
+        "--default-costs",  # no calibration on the ranks (15-30 s): tests/test_calibrate.py runs one
         "--profile",
         str(traces),
         "--json",
