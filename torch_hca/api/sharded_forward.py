@@ -8,6 +8,7 @@ whose arguments are cut by shares runs outside the trace (`_call_uneven`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 from typing import Any
@@ -50,7 +51,11 @@ def wrap_forward(forward):
         # Plain tensors the forward makes (positions, masks, a cache's indices) are the same on
         # every rank: DTensor takes them as replicated instead of refusing to mix them.
         drawn_from = None if torch.compiler.is_compiling() else generator_digest(spec.mesh.device_type)
-        with DTensorRewrites(), implicit_replication():
+        # Not under Dynamo (the bench's DTensor baseline, traced by torch.compile): traced, DTensor's
+        # implicit replication broke later hca compiles in the process (a backend view's shape error,
+        # or another program than the report's); the mode's explicit conversion is enough there.
+        plain_replicated = contextlib.nullcontext() if torch.compiler.is_compiling() else implicit_replication()
+        with DTensorRewrites(), plain_replicated:
             out = torch.func.functional_call(self.__dict__["_hca_logical"], buffers, args, kwargs, strict=False)
         if drawn_from is not None and generator_digest(spec.mesh.device_type) != drawn_from:
             _check_one_generator_state(drawn_from)
