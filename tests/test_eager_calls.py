@@ -61,11 +61,11 @@ def test_fsdp_eval_gathers_the_split_weights(zoo_at_2):
             assert counts.get("all_gather_single", 0) >= 1, (name, counts)
 
 
-@pytest.mark.parametrize("world_size", [4])
-def test_eager_train_and_eval_at_4_ranks(worlds, world_size):
-    results = worlds(world_size).run(eager_cases.zoo_eager, ["gpt2", "llama"], ["dp", "megatron", "fsdp", "2d"])
+def test_eager_train_and_eval_at_4_ranks(worlds):
+    """Llama's 4 kv heads split one per rank under Megatron, and the (dp, tp) mesh."""
+    results = worlds(4).run(eager_cases.zoo_eager, ["llama"], ["megatron", "2d"])
     for rank_results in results:
-        assert len(rank_results) == 8
+        assert sorted(rank_results) == [("llama", "2d"), ("llama", "megatron")]
         for key, r in rank_results.items():
             assert max(r["grad_errs"].values()) <= TOL, (key, r["grad_errs"])
             assert r["train_out_err"] <= TOL and r["eval_out_err"] <= TOL, (key, r)
