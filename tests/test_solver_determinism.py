@@ -4,7 +4,7 @@ Ranks are separate processes, each with its own PYTHONHASHSEED (str and enum has
 differ between them). Before the fix the integer program's variables were created in
 the iteration order of sets of buckets (tuples holding `Kind` members), so tied optima
 were broken differently on different ranks. Here the same programs are compiled in
-three processes with different hash seeds; every integer program handed to HiGHS
+two processes with different hash seeds; every integer program handed to HiGHS
 (cost vector, bounds, rows: variable order included) and every value's placement
 must agree. The programs are compared too because HiGHS often breaks a tie the same
 way for differently ordered programs, so equal placements alone prove little on
@@ -94,7 +94,9 @@ def _differences(a: dict, b: dict) -> list:
 
 
 def test_placements_do_not_depend_on_the_hash_seed():
-    procs = {seed: _start(seed) for seed in (0, 1, 2)}  # at once: they share nothing
+    # Two seeds: the integer programs are compared whole (variable order included), so one pair of
+    # hash orders shows a dependence; a third interpreter cost 8-10 s of the suite.
+    procs = {seed: _start(seed) for seed in (0, 1)}  # at once: they share nothing
     try:
         runs = {seed: _placements(proc) for seed, proc in procs.items()}
     finally:
