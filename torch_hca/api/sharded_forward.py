@@ -48,12 +48,13 @@ def wrap_forward(forward):
             f"inner.{name}": DTensor.from_local(b, spec.mesh, replicated, run_check=False)
             for name, b in self.named_buffers()
         }  # views: in-place updates reach the buffers
-        # Plain tensors the forward makes (positions, masks, a cache's indices) are the same on
-        # every rank: DTensor takes them as replicated instead of refusing to mix them.
+        # Whether the forward draws random numbers: then every rank must have drawn from one state.
         drawn_from = None if torch.compiler.is_compiling() else generator_digest(spec.mesh.device_type)
-        # Not under Dynamo (the bench's DTensor baseline, traced by torch.compile): traced, DTensor's
+        # Plain tensors the forward makes (positions, masks, a cache's indices) are the same on every
+        # rank: the mode makes them replicated DTensors, and DTensor's implicit replication catches the
+        # rest. Not under Dynamo (the bench's DTensor baseline, traced by torch.compile): traced, the
         # implicit replication broke later hca compiles in the process (a backend view's shape error,
-        # or another program than the report's); the mode's explicit conversion is enough there.
+        # or another program than the report's).
         plain_replicated = contextlib.nullcontext() if torch.compiler.is_compiling() else implicit_replication()
         with DTensorRewrites(), plain_replicated:
             out = torch.func.functional_call(self.__dict__["_hca_logical"], buffers, args, kwargs, strict=False)
