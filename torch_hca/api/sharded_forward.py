@@ -25,6 +25,7 @@ from torch_hca.compiler.logical import call_logically, output_layout
 from torch_hca.compiler.randomness import generator_digest
 from torch_hca.compiler.rewrites import DTensorRewrites
 from torch_hca.errors import CheckError
+from torch_hca.runtime.exchange import exchange, needs_exchange
 from torch_hca.spmd.shares import uneven_dims
 
 
@@ -69,15 +70,15 @@ def wrap_forward(forward):
 def _check_one_generator_state(digest: str) -> None:
     """The forward drew random numbers (dropout, or a plain tensor taken as replicated): every rank
     must have drawn from one generator state, or the draws that must be one differ by rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not needs_exchange():
         return
-    digests: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, digest)
-    differ = [rank for rank, d in enumerate(digests) if d != digests[0]]
+    world = dist.get_world_size()
+    digests = exchange("eager draws", digest, range(world), "an eager call's random draws") | {dist.get_rank(): digest}
+    differ = [rank for rank in range(world) if digests[rank] != digests[0]]
     if differ:
         raise CheckError(
             f"a sharded forward called eagerly drew random numbers, and the default random number generator of "
-            f"rank(s) {differ} differs from rank 0's (digests {sorted(set(digests))}), so draws that must be one "
+            f"rank(s) {differ} differs from rank 0's (digests {sorted(set(digests.values()))}), so draws that must be one "
             "differ by rank. Seed every rank the same (torch.manual_seed(seed) with one seed on every rank), and "
             "draw rank-local randomness (data shuffling, augmentation) from a torch.Generator of its own"
         )

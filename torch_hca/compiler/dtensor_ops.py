@@ -132,7 +132,7 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
             "or apply dropout outside attention"
         )
     # Attention is not linear in q, k or v: a partial sum among them is summed first.
-    q, k, v = (_replicated(t, keep=lambda p: not p.is_partial()) for t in (q, k, v))
+    q, k, v = (_gathered(t, keep=lambda p: not p.is_partial()) for t in (q, k, v))
     if _splits_only_batch_or_heads(q, k, v):
         return _attention_per_piece(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     if enable_gqa and k.size(-3) != q.size(-3):
@@ -145,7 +145,7 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
         h, b, lq = q.size(1), q.size(0), q.size(2)
         flat = lambda t: t.transpose(0, 1).reshape(h * b, t.size(2), t.size(3))
         if attn_mask is not None and attn_mask.dim() == 4:  # (batch or 1, heads or 1, lq, lk): laid out as q is
-            attn_mask = _like(attn_mask, q).expand(b, h, lq, k.size(2))
+            attn_mask = replicated_like(attn_mask, q).expand(b, h, lq, k.size(2))
             if isinstance(q, DTensor):  # a replicated mask is sliced where q is split: no communication
                 attn_mask = attn_mask.redistribute(q.device_mesh, q.placements)
             attn_mask = flat(attn_mask)
@@ -175,9 +175,9 @@ def _attention_per_piece(q, k, v, attn_mask, is_causal, scale, enable_gqa):
     mesh, placements = q.device_mesh, q.placements
     mask = attn_mask
     if mask is not None:
-        whole = _like(mask, q).expand(q.size(0), q.size(1), q.size(2), k.size(2))
+        whole = replicated_like(mask, q).expand(q.size(0), q.size(1), q.size(2), k.size(2))
         mask = whole.redistribute(mesh, placements).to_local()
-    out = torch.nn.functional.scaled_dot_product_attention(
+    out = F.scaled_dot_product_attention(
         q.to_local(),
         k.to_local(),
         v.to_local(),
@@ -205,8 +205,8 @@ def convolution(conv):
     DTensor's convolution rule assumes those replicated."""
 
     def gathered(input, weight, bias=None, *args, **kwargs):
-        input = _replicated(input, keep=lambda p: p.is_shard(0))
-        weight, bias = _replicated(weight), _replicated(bias)
+        input = _gathered(input, keep=lambda p: p.is_shard(0))
+        weight, bias = _gathered(weight), _gathered(bias)
         return conv(input, weight, bias, *args, **kwargs)
 
     return gathered
@@ -217,7 +217,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     would split the channels of the input and of copies of the running statistics, and the
     module's own buffers would miss the update. With the running statistics (``eval()``) it is
     elementwise, written so: DTensor's rule would gather a batch that is split."""
-    weight, bias = _replicated(weight), _replicated(bias)
+    weight, bias = _gathered(weight), _gathered(bias)
     if training or running_mean is None:
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
     per_channel = lambda t: t.view((1, -1) + (1,) * (input.dim() - 2))
@@ -226,7 +226,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     return out + per_channel(bias) if bias is not None else out
 
 
-def _replicated(t, keep=lambda p: False):
+def _gathered(t, keep=lambda p: False):
     """`t` with each placement that is not replicated (or kept) made replicated."""
     if not isinstance(t, DTensor) or all(p.is_replicate() or keep(p) for p in t.placements):
         return t
@@ -249,9 +249,9 @@ def _attention(q, k, v, attn_mask, is_causal: bool, scale: float):
     scores = torch.bmm(q, k.transpose(-2, -1)) * scale if q.dim() == 3 else torch.matmul(q, k.transpose(-2, -1)) * scale
     if is_causal:
         keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril()
-        scores = scores.masked_fill(~_like(keep, scores), float("-inf"))
+        scores = scores.masked_fill(~replicated_like(keep, scores), float("-inf"))
     if attn_mask is not None:
-        mask = _like(attn_mask, scores)
+        mask = replicated_like(attn_mask, scores)
         if attn_mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, float("-inf"))
         else:
@@ -260,7 +260,7 @@ def _attention(q, k, v, attn_mask, is_causal: bool, scale: float):
     return torch.bmm(probs, v) if probs.dim() == 3 else torch.matmul(probs, v)
 
 
-def _like(t: torch.Tensor, ref) -> torch.Tensor:
+def replicated_like(t: torch.Tensor, ref) -> torch.Tensor:
     """A plain tensor as a replicated DTensor on `ref`'s mesh (plain if `ref` is)."""
     if not isinstance(ref, DTensor) or isinstance(t, DTensor):
         return t

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from torch_hca.compiler import dtensor_ops
 
@@ -35,11 +35,5 @@ class DTensorRewrites(TorchFunctionMode):
         # A plain tensor next to a DTensor (a position index, a mask, a cache) was made the same on
         # every rank: made a replicated DTensor here, not at dispatch (DTensor's implicit
         # replication), so that autograd saves the DTensor and the backward can use it too.
-        args, kwargs = tree_map(lambda a: _replicated(a, first.device_mesh), (args, kwargs))
+        args, kwargs = tree_map_only(torch.Tensor, lambda a: dtensor_ops.replicated_like(a, first), (args, kwargs))
         return REWRITES.get(func, func)(*args, **kwargs)
-
-
-def _replicated(value, mesh):
-    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
-        return value
-    return DTensor.from_local(value, mesh, (Replicate(),) * mesh.ndim, run_check=False)
