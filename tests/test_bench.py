@@ -28,6 +28,7 @@ import torch_hca as hca
 import torch_hca.tools.bench as bench_command
 import torch_hca.tools.bench_real as bench_real_command
 from torch_hca.__main__ import main as command_line
+from torch_hca.tools.bench_models import analytic_min
 from torch_hca.tools.bench_run import REGRET_OF
 from torch_hca.tools.bench_tables import _NOT_COMPARED
 from torch_hca.tools.bench import (
@@ -45,14 +46,19 @@ from torch_hca.tools.step_profile import StepProfile
 
 import bench_cases
 
-# At --tiny sizes dp512 is the dp model (DeepMLP(16, 3), 8 rows against 512), and mlp takes
-# the contestants block does (both tensor-parallel): the smoke test leaves both out to keep the
-# suite under its time budget (about 20 s each); the full bench runs them.
-MODELS = tuple(m for m in ALL_MODELS if m not in ("dp512", "mlp"))
+# At --tiny sizes dp512 is the dp model (DeepMLP(16, 3), 8 rows against 512), mlp takes the
+# contestants block does (both tensor-parallel), and lm (the zoo's TinyLM under TP_LM) the
+# contestants and code paths of tt (a tensor-parallel LM with a token loss): the smoke test leaves
+# the three out to keep the suite under its time budget (about 20-27 s each); the full bench runs
+# them, and test_analytic_minimum_of_every_model reads each one's own branch.
+MODELS = tuple(m for m in ALL_MODELS if m not in ("dp512", "mlp", "lm"))
 assert specs(tiny=True)["dp512"].build().layers[0].weight.shape == specs(tiny=True)["dp"].build().layers[0].weight.shape
 assert {c for c in CONTESTANTS if applies(specs(tiny=True)["mlp"], c)} <= {
     c for c in CONTESTANTS if applies(specs(tiny=True)["block"], c)
 }
+assert {c for c in CONTESTANTS if applies(specs(tiny=True)["lm"], c)} <= {
+    c for c in CONTESTANTS if applies(specs(tiny=True)["tt"], c)
+} | {"dtensor_eager", "dtensor_inductor"}  # tt's forward mixes plain tensors in: DTensor cannot run it
 
 KEYS = {
     "model",
@@ -170,6 +176,23 @@ def test_hca_bytes_against_the_others_are_reported(records):
             )
     if behind:
         warnings.warn("hca's bytes/step are not the fewest (tiny sizes): " + "; ".join(behind), stacklevel=1)
+
+
+def test_analytic_minimum_of_every_model():
+    """Each model's analytic minimum of bytes a rank sends (the bench's `min bytes` column), the
+    models the smoke run leaves out included. Ring all-reduce at n=2: each rank sends the payload once."""
+    got = {}
+    for name, spec in specs(tiny=True).items():
+        torch.manual_seed(0)
+        ref, x = spec.build(), spec.batch(torch.Generator().manual_seed(0))
+        got[name] = analytic_min(spec, ref, x, 2)[0]
+    params = lambda name: 4 * sum(p.numel() for p in specs(tiny=True)[name].build().parameters())
+    assert got["mlp"] == 8 * 16 * 4  # the output, [8, 16] fp32, all-reduced once
+    assert got["block"] == 4 * (2 * 8 * 16 * 4)  # 2 sub-blocks x (fwd + bwd) of [2, 8, 16]
+    assert got["lm"] == 4 * (2 * 8 * 32 * 4)  # the same, one block of the LM at width 32
+    assert got["dp"] == got["dp512"] == params("dp")  # one all-reduce of every gradient
+    assert got["fsdp"] == 2 * params("fsdp") / 2  # all-gather + reduce-scatter: half each at n=2
+    assert got["tt"] > 0
 
 
 def test_step_profile_counts_each_c10d_op_once_as_a_ring(fake_pg):

@@ -41,7 +41,7 @@ def test_gpt2_data_parallel_keeps_the_batch_split(fake_pg):
 
 def test_gpt2_small_megatron_program(fake_pg_2_full_size):
     rep = fake_pg_2_full_size
-    n_layer = 12
+    n_layer = N_LAYER
     forward = rep.collective_counts("forward")
     # Per block: the attention's and the MLP's row-parallel partial sums (2 all_reduce); the last
     # block's MLP sum is reduce-scattered over the sequence for the LM head, which runs
@@ -52,14 +52,24 @@ def test_gpt2_small_megatron_program(fake_pg_2_full_size):
     assert forward == {"all_reduce": 2 * n_layer - 1, "reduce_scatter": 1, "all_gather": n_layer + 1}
     line = rep.parallelism()
     assert line.split(": ")[1].startswith("tensor parallel")
-    assert "stored 72 of 148 parameters sharded (S(0) 48, S(1) 24)" in line
+    # 6 parameters a block sharded (c_attn, c_fc: weight S(1), bias S(0); both c_proj weights S(0)).
+    assert (
+        f"stored {6 * n_layer} of {12 * n_layer + 4} parameters sharded (S(0) {4 * n_layer}, S(1) {2 * n_layer})"
+        in line
+    )
     assert "gather of weights" not in line  # every sharded weight is read as stored
-    assert "95% of the compute split over 2 ranks" in line  # the rest: embeddings, norms
+    assert "91% of the compute split over 2 ranks" in line  # the rest: embeddings, head, norms
+
+
+# GPT-2 small's width, heads and tied 50,257-token vocabulary with 2 of its 12 blocks: every block
+# compiles to the same collectives (the counts above are per block), at half the 12-block compile
+# time (measured 10.5 s against 21.8 s); the 12-block model gives 95% and 72 of 148 in the line.
+N_LAYER = 2
 
 
 @pytest.fixture
 def fake_pg_2_full_size(request):
-    """GPT-2 small (124M) on Megatron storage (`bench_real.MEGATRON`), one row of 64 tokens."""
+    """GPT-2 small's blocks (`N_LAYER` of them) on Megatron storage (`bench_real.MEGATRON`), one row of 64 tokens."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -71,7 +81,7 @@ def fake_pg_2_full_size(request):
     try:
         hca.init_mesh()
         torch.manual_seed(0)
-        model = hca.sharded(MEGATRON["gpt2_small"], inputs=Replicate(), outputs=Replicate())(gpt2_small())
+        model = hca.sharded(MEGATRON["gpt2_small"], inputs=Replicate(), outputs=Replicate())(gpt2_small(layers=N_LAYER))
         yield _compiled(model, torch.randint(0, 50257, (1, 64)))
     finally:
         dist.destroy_process_group()

@@ -115,7 +115,8 @@ class LogitsOf(nn.Module):
         return self.hf(input_ids=ids, return_dict=True).logits
 
 
-def gpt2_small(tiny: bool = False, seq: int = SEQ) -> nn.Module:
+def gpt2_small(tiny: bool = False, seq: int = SEQ, layers: int | None = None) -> nn.Module:
+    """GPT-2 small as released (or tiny); `layers` keeps its width, heads and vocabulary with fewer blocks."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, attn_implementation="sdpa")
@@ -124,6 +125,8 @@ def gpt2_small(tiny: bool = False, seq: int = SEQ) -> nn.Module:
         if tiny
         else {}
     )  # the default ids lie outside a tiny vocabulary
+    if layers is not None:
+        small["n_layer"] = layers
     return LogitsOf(GPT2LMHeadModel(GPT2Config(**small, **no_dropout)))
 
 

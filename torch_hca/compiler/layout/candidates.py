@@ -312,6 +312,10 @@ def _probe_op(gm, node, slots, value, mesh, model: CostModel, storage_of, ops: d
     strategies = []
     inputs = [value_of(s) for s in slots]
     combos = list(itertools.product(*per_slot))
+    if node.target is attention.sdpa:  # its rule is ours: rule out what it cannot run before probing
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), value_of)
+        read_in = lambda layouts: {id(v): lay for v, lay in zip(inputs, layouts)}
+        combos = [c for c in combos if attention.runs_in_place(args, kwargs, lambda t, r=read_in(c): r.get(id(t)))]
     meshes_1d = submeshes(mesh)
     each_dim_runs = [
         layouts
