@@ -225,3 +225,11 @@ def _named(e: Exception) -> str:
     """The error as "Type: message", the backend's own error out of torch.compile's wrapper."""
     e = getattr(e, "inner_exception", None) or e
     return f"{type(e).__name__}: {e}"
+
+
+def measured_deployment(delay_s: float) -> dict:
+    """`hca.Deployment.measure` with a step that sleeps (1 + rank) x `delay_s`: rank 1 half rank 0's speed."""
+    import time
+
+    dep = hca.Deployment.measure(step=lambda: time.sleep((1 + dist.get_rank()) * delay_s), rounds=3)
+    return dep.to_dict()

@@ -23,6 +23,7 @@ from torch_hca.runtime.mesh import current_mesh, init_mesh
 from torch_hca.api.plan import sharded
 from torch_hca.api.autoplan import plan
 from torch_hca.api.calibrate import calibrate
+from torch_hca.api.deployment import Deployment, RankCapacity
 from torch_hca.api.checkpoint import CheckpointError, load, load_full_state_dict, save
 from torch_hca.report.compile_report import CompileReport, report
 from torch_hca.api.step import step
@@ -34,6 +35,7 @@ __all__ = [
     "CheckError",
     "CollectiveError",
     "CompileReport",
+    "Deployment",
     "HCAError",
     "LocalWorld",
     "MeshError",
@@ -41,6 +43,7 @@ __all__ = [
     "Partial",
     "PlacementError",
     "PlanError",
+    "RankCapacity",
     "RankError",
     "Replicate",
     "RoleError",

@@ -126,3 +126,30 @@ def read_share_text(text: str) -> tuple[str, tuple[int, ...] | None]:
     """The inverse of `share_text` on one placement's marker text: (``"S0"``, shares or None)."""
     head, _, shares = text.partition("/")
     return head, tuple(int(s) for s in shares.split(":")) if shares else None
+
+
+# ----------------------------------------------------------------------------- shares from speeds
+
+
+def rows_by_speed(speeds, total: int, min_rows: int = 2) -> tuple[int, ...]:
+    """Each rank's rows of `total` rows for ranks of relative `speeds`: the split whose slowest
+    rank, ``max(rows[i] / speeds[i])``, finishes first, every rank holding at least `min_rows`.
+
+    Water-filling: from `min_rows` each, every further row goes to the rank that would finish it
+    soonest, ``(rows[i] + 1) / speeds[i]`` (ties to the faster rank, then the lower index). Adding
+    rows one at a time to the least-loaded rank minimises the largest load (the rows are unit
+    jobs). The rows are exact shares: ``Shard(d, shares=rows)`` cuts `total` into them.
+    """
+    speeds = tuple(float(s) for s in speeds)
+    if not speeds or not all(math.isfinite(s) and s > 0 for s in speeds):
+        raise PlacementError(f"rows_by_speed: speeds={speeds}; give one positive, finite speed per rank")
+    if min_rows < 1 or total < min_rows * len(speeds):
+        raise PlacementError(
+            f"rows_by_speed: {total} rows cannot give each of {len(speeds)} ranks at least {min_rows}; "
+            f"use a batch of at least {max(min_rows, 1) * len(speeds)} rows"
+        )
+    rows = [min_rows] * len(speeds)
+    for _ in range(total - min_rows * len(speeds)):
+        i = min(range(len(speeds)), key=lambda i: ((rows[i] + 1) / speeds[i], -speeds[i], i))
+        rows[i] += 1
+    return tuple(rows)

@@ -120,14 +120,10 @@ def gpt2_small(tiny: bool = False, seq: int = SEQ, layers: int | None = None) ->
     from transformers import GPT2Config, GPT2LMHeadModel
 
     no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, attn_implementation="sdpa")
-    small = (
-        dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=max(seq, 64), bos_token_id=0, eos_token_id=0)
-        if tiny
-        else {}
-    )  # the default ids lie outside a tiny vocabulary
-    if layers is not None:
-        small["n_layer"] = layers
-    return LogitsOf(GPT2LMHeadModel(GPT2Config(**small, **no_dropout)))
+    # (the default ids lie outside a tiny vocabulary)
+    tiny_size = dict(n_embd=64, n_head=4, vocab_size=128, n_positions=max(seq, 64), bos_token_id=0, eos_token_id=0)
+    size = {**(tiny_size if tiny else {}), "n_layer": layers or (2 if tiny else 12)}
+    return LogitsOf(GPT2LMHeadModel(GPT2Config(**size, **no_dropout)))
 
 
 def llama_100m(tiny: bool = False, seq: int = SEQ) -> nn.Module:

@@ -1,0 +1,120 @@
+"""The deployment (docs/heterogeneous.md): each rank's device and speed, as JSON, checked against
+the world, measured on the ranks, and the rows of a batch each rank takes from it."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import torch_hca as hca
+from torch_hca.spmd.shares import rows_by_speed
+
+import uneven_cases
+
+TOL = 1e-5
+
+
+def _brute_best(speeds, total, min_rows):
+    """The least slowest-rank time over every split of `total` rows, each rank at least `min_rows`."""
+    n = len(speeds)
+    splits = (r for r in itertools.product(range(min_rows, total + 1), repeat=n) if sum(r) == total)
+    return min(max(r / s for r, s in zip(rows, speeds)) for rows in splits)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    speeds=st.lists(st.integers(1, 6), min_size=2, max_size=3),
+    total=st.integers(6, 16),
+    min_rows=st.integers(1, 2),
+)
+def test_rows_by_speed_is_the_split_whose_slowest_rank_finishes_first(speeds, total, min_rows):
+    rows = rows_by_speed(speeds, total, min_rows)
+    assert sum(rows) == total and min(rows) >= min_rows
+    assert max(r / s for r, s in zip(rows, speeds)) == pytest.approx(_brute_best(speeds, total, min_rows))
+
+
+def test_rows_by_speed_gives_the_slow_rank_its_part():
+    assert rows_by_speed((1, 1), 24) == (12, 12)
+    assert rows_by_speed((2, 1), 24) == (16, 8)  # k = 2: a third of the rows
+    assert rows_by_speed((3, 1), 24) == (18, 6)
+    assert rows_by_speed((1, 1, 2), 8) == (2, 2, 4)
+    assert rows_by_speed((100, 1), 8) == (6, 2)  # a very slow rank still holds its 2 rows
+
+
+@pytest.mark.parametrize(
+    "speeds,total,error",
+    [((1, 0), 8, "positive, finite speed"), ((1, 1), 3, "at least 4 rows"), ((), 8, "one positive")],
+)
+def test_rows_by_speed_refuses_by_name(speeds, total, error):
+    with pytest.raises(hca.PlacementError, match=error):
+        rows_by_speed(speeds, total)
+
+
+def _two(speed1=1.0, device1="cpu"):
+    return hca.Deployment((hca.RankCapacity("cpu", 2.0, 8 << 30), hca.RankCapacity(device1, speed1)), "GFLOP/s")
+
+
+def test_a_deployment_round_trips_through_its_file(tmp_path):
+    dep = _two()
+    data = dep.save(tmp_path / "d.json")
+    assert data["schema"] == "torch_hca.deployment" and data["version"] == 1
+    assert data["ranks"][0] == {"rank": 0, "device": "cpu", "speed": 2.0, "memory_bytes": 8 << 30}
+    assert hca.Deployment.load(tmp_path / "d.json") == dep
+    assert dep.shares(24) == (16, 8) and dep.shares(12, ranks=[1, 0]) == (4, 8)
+
+
+@pytest.mark.parametrize(
+    "edit,error",
+    [
+        (lambda d: d.update(version=2), "version 2"),
+        (lambda d: d.update(schema="other"), "not a torch_hca deployment"),
+        (lambda d: d["ranks"].reverse(), "ranks 0, 1, ... in order"),
+        (lambda d: d["ranks"][1].pop("speed"), "lacks 'speed'"),
+        (lambda d: d["ranks"][1].update(speed=-1), "rank 1: speed -1"),
+        (lambda d: d["ranks"][1].update(device="tpu:x"), "rank 1: device 'tpu:x' is not a torch device"),
+        (lambda d: d["ranks"][0].update(memory_bytes=0), "rank 0: memory_bytes 0"),
+    ],
+    ids=["version", "schema", "order", "no-speed", "speed", "device", "memory"],
+)
+def test_a_bad_deployment_file_is_a_named_error(tmp_path, edit, error):
+    data = _two().to_dict()
+    edit(data)
+    (tmp_path / "d.json").write_text(json.dumps(data))
+    with pytest.raises(hca.MeshError, match=error):
+        hca.Deployment.load(tmp_path / "d.json")
+
+
+def test_a_truncated_deployment_file_is_a_named_error(tmp_path):
+    (tmp_path / "d.json").write_text(json.dumps(_two().to_dict())[:40])
+    with pytest.raises(hca.MeshError, match="deployment file .*d.json"):
+        hca.Deployment.load(tmp_path / "d.json")
+
+
+def test_a_deployment_is_checked_against_the_world():
+    assert _two().check(world_size=2, rank=1) == _two()
+    with pytest.raises(hca.MeshError, match="describes 2 ranks, the world has 4"):
+        _two().check(world_size=4, rank=0)
+    with pytest.raises(hca.MeshError, match="rank 1 is cuda:7, which this machine does not have"):
+        _two(device1="cuda:7").check(world_size=2, rank=1)
+    _two(device1="cuda:7").check(world_size=2, rank=0)  # each rank checks its own device
+    with pytest.raises(hca.MeshError, match=r"ranks \[3\] are not in this deployment of 2"):
+        _two().shares(8, ranks=[0, 3])
+
+
+def test_measured_on_the_ranks_and_the_batch_cut_by_it_trains_as_one_device(worlds):
+    """Rank 1's step sleeps twice rank 0's: measured speeds about 2:1, the same deployment on
+    every rank; its shares of a batch of 12 (8:4) train as one device (outputs, gradients,
+    parameters after 2 SGD steps)."""
+    measured = worlds(2).run(uneven_cases.measured_deployment, 0.01)
+    assert measured[0] == measured[1] and measured[0]["unit"] == "steps/s"
+    dep = hca.Deployment.from_dict(measured[0])
+    ratio = dep.ranks[0].speed / dep.ranks[1].speed
+    assert 1.6 < ratio < 2.4, ratio
+    shares = dep.shares(12)
+    assert shares == (8, 4), (shares, ratio)
+    for r in worlds(2).run(uneven_cases.dp_by_shares, "deep_mlp", shares, 12):
+        assert max(r["out_err"], *r["grad_errs"].values(), *r["param_errs"].values()) <= TOL, r
