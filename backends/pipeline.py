@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import logging
 import textwrap
 import time
@@ -51,6 +52,7 @@ from torch_hca.compiler.checks.uneven import (
     uneven_shares,
     weight_partial_means,
 )
+from torch_hca.report import strategy_file
 from torch_hca.report.compile_report import CompileReport, new_graph_report, next_graph_index
 from torch_hca.report.records import CollectiveRecord, GraphReport
 from torch_hca.spmd.placements import dtype_str, layout_str
@@ -362,11 +364,17 @@ def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:
 
 
 def _dump_tables(ctx: PassContext) -> None:
-    """The collectives table and the strategy, next to the graphs, in debug mode."""
+    """The collectives table, the report and this graph's strategy file, next to the graphs, in debug mode.
+
+    ``graph{N}_strategy.json`` is a strategy file of this graph alone (docs/strategy.md): `hca.verify`
+    reads it, and ``options={"strategy": path}`` loads it for a module compiled as one graph."""
     if ctx.options.debug_dir:
         rep = CompileReport([ctx.report])
         dump(ctx, "collectives", rep.table() + "\n", suffix="txt")
-        dump(ctx, "strategy", rep.to_json() + "\n", suffix="json")
+        dump(ctx, "report", rep.to_json() + "\n", suffix="json")
+        if ctx.report.dtensor_program is not None and ctx.report.layout.strategy_facts is not None:  # laid out
+            text = json.dumps(strategy_file.build(rep), indent=1, sort_keys=True)
+            dump(ctx, "strategy", text + "\n", suffix="json")
 
 
 def _describe_inputs(gm: fx.GraphModule, report: GraphReport) -> None:

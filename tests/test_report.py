@@ -83,9 +83,22 @@ def test_debug_dir_dumps_every_stage(fake_pg, tmp_path):
         "schedule_forward_after.py",
         "schedule_backward_after.py",
         "collectives.txt",
+        "report.json",
         "strategy.json",
     ):
         assert stage in names, f"{stage} not dumped; got {sorted(names)}"
+
+
+def test_debug_dirs_strategy_file_verifies_and_loads(fake_pg, tmp_path):
+    """The graph's strategy file in debug_dir is a strategy file: the verifier accepts it, and a
+    compile that loads it probes and solves nothing and gives the same program."""
+    solved = hca.report(compile_mlp(options={"debug_dir": str(tmp_path / "debug")}))
+    path = tmp_path / "debug" / "rank0" / f"graph{solved.graph.index}_strategy.json"
+    assert hca.verify(str(path)).ok
+    torch._dynamo.reset()
+    loaded = hca.report(compile_mlp(options={"strategy": str(path)}))
+    assert loaded.graph.layout.solver == f"strategy file {path}" and loaded.graph.layout.probe_seconds == 0.0
+    assert loaded.table() == solved.table() and loaded.graph.dtensor_code == solved.graph.dtensor_code
 
 
 def test_report_without_argument_is_the_last_graph(fake_pg):
