@@ -1,4 +1,4 @@
-"""`python -m torch_hca bench --hetero` (torch_hca/tools/bench_hetero.py): the split it picks, the
+"""`python -m torch_hca bench --hetero` (torch_hca/tools/bench_hetero.py, its tables in bench_hetero_tables.py): the split it picks, the
 slowdown it applies and the arithmetic of its table, on synthetic timings. No ranks, no speeds asserted."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from torch import nn
 
 from torch_hca.spmd.shares import rows_agree, rows_for, smallest_whole
 from torch_hca.tools import bench_hetero as bh
+from torch_hca.tools import bench_hetero_tables as bt
 
 
 @pytest.mark.parametrize(
@@ -50,10 +51,10 @@ def test_pick_shares_refuses_what_cannot_be_split():
 
 
 def test_the_bound_shares_the_whole_batch_by_the_speeds():
-    assert bh.bound(0.060, 1.0) == pytest.approx(0.030)
-    assert bh.bound(0.060, 2.0) == pytest.approx(0.040)  # speeds 1 and 1/2: 60 / 1.5
-    assert bh.bound(0.060, 3.0) == pytest.approx(0.045)
-    assert bh.bound(0.060, 1e9) == pytest.approx(0.060)  # a rank that does nothing adds nothing
+    assert bt.bound(0.060, 1.0) == pytest.approx(0.030)
+    assert bt.bound(0.060, 2.0) == pytest.approx(0.040)  # speeds 1 and 1/2: 60 / 1.5
+    assert bt.bound(0.060, 3.0) == pytest.approx(0.045)
+    assert bt.bound(0.060, 1e9) == pytest.approx(0.060)  # a rank that does nothing adds nothing
 
 
 def _times(fast_steps, slow_steps, fast_compute=None, slow_compute=None) -> list:
@@ -70,7 +71,7 @@ def test_summarize_reads_medians_of_the_slowest_rank_and_the_k_got():
         "even": _times([0.030, 0.050, 0.031], [0.061, 0.040, 0.062]),  # per step: 0.061, 0.050, 0.062
         "shares": _times([0.041, 0.045, 0.039], [0.044, 0.040, 0.043]),  # per step: 0.044, 0.045, 0.043
     }
-    row = bh.summarize(2.0, (2, 1), (16, 8), times)
+    row = bt.summarize(2.0, (2, 1), (16, 8), times)
     assert row["whole_s"] == pytest.approx(0.0605)
     assert row["k_measured"] == pytest.approx(0.10 / 0.05)
     assert row["even_s"] == pytest.approx(0.061) and row["shares_s"] == pytest.approx(0.044)
@@ -86,7 +87,7 @@ def test_at_k_1_the_k_got_comes_from_the_unslowed_whole_batch():
         "even": _times([0.03] * 3, [0.03] * 3),
         "shares": _times([0.0309] * 3, [0.03] * 3),
     }
-    row = bh.summarize(1.0, (1, 1), (12, 12), times)
+    row = bt.summarize(1.0, (1, 1), (12, 12), times)
     assert row["k_measured"] == pytest.approx(1.02) and row["bound_s"] == pytest.approx(0.05 / (1 + 1 / 1.02))
 
 
@@ -107,16 +108,16 @@ def _row(k, shares_over_bound, even_s, shares_s):
 
 def test_goals_say_which_are_met_with_their_figures():
     rows = [_row(1.0, 1.05, 0.030, 0.0305), _row(2.0, 1.12, 0.054, 0.040), _row(3.0, 1.08, 0.07, 0.045)]
-    lines = bh.goals(rows)
+    lines = bt.goals(rows)
     assert lines[0].split()[:2] == ["NOT", "met"] and "worst 1.120x at k=2" in lines[0]
     assert lines[1].split()[0] == "met" and "1.35x faster" in lines[1]
     assert lines[2].split()[0] == "met" and "1.017x" in lines[2]
-    lines = bh.goals([_row(1.0, 1.2, 0.030, 0.0312)])
+    lines = bt.goals([_row(1.0, 1.2, 0.030, 0.0312)])
     assert "NOT met" in lines[0] and "not measured: k=2" in lines[1] and "NOT met" in lines[2] and "1.040x" in lines[2]
 
 
 def test_table_has_one_line_per_k_and_the_ratios():
-    text = bh.table([_row(1.5, 1.234, 0.05, 0.04)])
+    text = bt.table([_row(1.5, 1.234, 0.05, 0.04)])
     head, rule, line = text.splitlines()
     assert "shares/bound" in head and "even/shares" in head and set(rule) <= {"-", " "}
     assert line.split()[0] == "1.5" and "1.234" in line and line.split()[-1] == "1.25"
@@ -147,7 +148,7 @@ def test_breakdown_and_the_other_processes_load():
     for t in times.values():
         for r, cpu in ((0, [0.01, 0.02]), (1, [0.02, 0.04])):
             t[r]["cpu"], t[r]["slept"] = cpu, [0.001 * r, 0.003 * r]
-    parts = bh.breakdown(2.0, times)
+    parts = bt.breakdown(2.0, times)
     assert parts[0] == {
         "k": 2.0,
         "contestant": "even",
@@ -155,7 +156,7 @@ def test_breakdown_and_the_other_processes_load():
         "slept_s": pytest.approx(0.002),
         "step_s": pytest.approx(0.045),
     }
-    assert "shares" in bh.breakdown_table(parts).splitlines()[-1]
+    assert "shares" in bt.breakdown_table(parts).splitlines()[-1]
     # 10 s of wall, 15 CPU seconds busy, 12 of them this process and its ranks: others kept 0.3 cores busy
     assert bh._others_cores((100.0, 50.0, 3.0), (110.0, 65.0, 15.0)) == pytest.approx(0.3)
     assert bh._others_cores(None, (110.0, 65.0, 15.0)) is None

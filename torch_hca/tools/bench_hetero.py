@@ -20,8 +20,11 @@ that the timed part runs in one stretch), four contestants take the same trainin
   0's, on the same rows, is the k actually got (``k_measured``). Not run at k=1;
 - ``even``: `hca.sharded({}, inputs=Shard(0), outputs=Shard(0), loss_reduction="mean")`,
   half the rows each;
-- ``shares``: the batch cut by `pick_shares`, the balanced split for speeds (1, 1/k)
-  rounded to a legal one (`hca.Shard(0, shares=...)`).
+- ``shares``: the batch cut by the shares of a deployment measured on the ranks
+  (`hca.Deployment.measure` timing each rank's ``whole_k`` step at once, then
+  `Deployment.shares`: the split whose slowest rank finishes first), with
+  `hca.Shard(0, shares=...)`. `pick_shares`, the split balanced for the k asked, is printed
+  beside it for reference.
 
 The balanced bound is ``T = W / (1 + 1/k_measured)``: the whole batch's time shared
 by the two speeds with nothing lost. Per k the table gives both step times (medians
@@ -45,14 +48,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .bench_hetero_tables import FAST, SLOW, breakdown, breakdown_table, goals, summarize, table
 from .progress import Progress
 
 WORLD = 2
-FAST, SLOW = 0, 1  # rank 1 is the slow one
 RECENT = 5  # the slow rank sleeps (k - 1) x the median of its last RECENT passes' CPU time
-# The issue's goals: shares within 1.10x of the bound at every k; at k=2 at least 1.3x
-# faster than the even split; at k=1 (shares 1:1) within 3% of the even program.
-BOUND_GOAL, K2_GOAL, K1_GOAL = 1.10, 1.3, 1.03
+MEASURE_ROUNDS = 5  # whole-batch steps each rank times for the deployment its shares come from
 
 
 @dataclass(frozen=True)
@@ -85,146 +86,6 @@ def pick_shares(k: float, batch: int, min_rows: int = 2) -> tuple[tuple[int, int
     slow = min(range(min_rows, batch - min_rows + 1), key=lambda r: (max(batch - r, k * r), abs(r - ideal)))
     g = math.gcd(batch - slow, slow)
     return ((batch - slow) // g, slow // g), (batch - slow, slow)
-
-
-def bound(whole_s: float, k: float) -> float:
-    """``T = W / sum of speeds``: `whole_s` at speed 1 shared by speeds (1, 1/k)."""
-    return whole_s / (1 + 1 / k)
-
-
-def summarize(k: float, shares: tuple, rows: tuple, times: dict) -> dict:
-    """One table row from the ranks' raw timings of one k.
-
-    `times[contestant][rank]` holds that rank's per-step lists: ``step`` (seconds from the
-    barrier to the end of the optimizer step) and ``compute`` (forward + sleep + backward,
-    wall clock). A distributed step took its slowest rank's time. ``W``: the whole batch at
-    speed 1, every step of both ranks; the k got: rank 1's compute over rank 0's on the
-    same (whole) batch with rank 1 slowed (``whole_k``; at k=1 ``whole``, nothing slowed)."""
-    med = statistics.median
-    slowest = lambda c: med(max(pair) for pair in zip(times[c][FAST]["step"], times[c][SLOW]["step"]))
-    whole = med(times["whole"][FAST]["step"] + times["whole"][SLOW]["step"])
-    slowed = times.get("whole_k") or times["whole"]
-    k_measured = med(slowed[SLOW]["compute"]) / med(slowed[FAST]["compute"])
-    even, by_shares = slowest("even"), slowest("shares")
-    t = bound(whole, k_measured)
-    return {
-        "k": k,
-        "k_measured": k_measured,
-        "shares": list(shares),
-        "rows": list(rows),
-        "whole_s": whole,
-        "even_s": even,
-        "shares_s": by_shares,
-        "bound_s": t,
-        "shares_over_bound": by_shares / t,
-        "even_over_shares": even / by_shares,
-    }
-
-
-def goals(rows: list) -> list[str]:
-    """The issue's three goals, each met or not, with the figures that decide it."""
-    worst = max(rows, key=lambda r: r["shares_over_bound"])
-    out = [
-        _verdict(
-            worst["shares_over_bound"] <= BOUND_GOAL,
-            f"shares within {BOUND_GOAL:.2f}x of the bound at every k: worst {worst['shares_over_bound']:.3f}x "
-            f"at k={worst['k']:g}",
-        )
-    ]
-    for k, ok, text in (
-        (
-            2.0,
-            lambda r: r["even_over_shares"] >= K2_GOAL,
-            lambda r: f"k=2: shares {r['even_over_shares']:.2f}x faster than even (goal >= {K2_GOAL})",
-        ),
-        (
-            1.0,
-            lambda r: r["shares_s"] / r["even_s"] <= K1_GOAL,
-            lambda r: f"k=1: shares at {r['shares_s'] / r['even_s']:.3f}x the even program's time (goal <= {K1_GOAL})",
-        ),
-    ):
-        row = next((r for r in rows if r["k"] == k), None)
-        out.append(f"  not measured: k={k:g} not in this run" if row is None else _verdict(ok(row), text(row)))
-    return out
-
-
-def _verdict(ok: bool, text: str) -> str:
-    return f"  {'met    ' if ok else 'NOT met'}  {text}"
-
-
-def breakdown(k: float, times: dict) -> list:
-    """Where each contestant's step goes at `k`, medians in seconds: each rank's forward +
-    backward CPU time, rank 1's sleep, the slowest rank's step."""
-    med = statistics.median
-    return [
-        {
-            "k": k,
-            "contestant": c,
-            "cpu_s": [med(t[r]["cpu"]) for r in (FAST, SLOW)],
-            "slept_s": med(t[SLOW]["slept"]),
-            "step_s": med(max(pair) for pair in zip(t[FAST]["step"], t[SLOW]["step"])),
-        }
-        for c, t in times.items()
-    ]
-
-
-def _aligned(head: tuple, body: list) -> str:
-    widths = [max(len(str(row[i])) for row in [head, *body]) for i in range(len(head))]
-    line = lambda row: "  ".join(str(v).rjust(w) for v, w in zip(row, widths))
-    return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])
-
-
-def breakdown_table(parts: list) -> str:
-    head = ("k asked", "contestant", "r0 fwd+bwd CPU ms", "r1 fwd+bwd CPU ms", "r1 slept ms", "step ms")
-    ms = lambda s: f"{s * 1e3:.1f}"
-    return _aligned(
-        head,
-        [
-            (
-                f"{p['k']:g}",
-                p["contestant"],
-                ms(p["cpu_s"][FAST]),
-                ms(p["cpu_s"][SLOW]),
-                ms(p["slept_s"]),
-                ms(p["step_s"]),
-            )
-            for p in parts
-        ],
-    )
-
-
-def table(rows: list) -> str:
-    head = (
-        "k asked",
-        "k got",
-        "shares r0:r1",
-        "rows r0:r1",
-        "W ms",
-        "even ms",
-        "shares ms",
-        "bound ms",
-        "shares/bound",
-        "even/shares",
-    )
-    body = [
-        (
-            f"{r['k']:g}",
-            f"{r['k_measured']:.2f}",
-            ":".join(map(str, r["shares"])),
-            ":".join(map(str, r["rows"])),
-            f"{r['whole_s'] * 1e3:.1f}",
-            f"{r['even_s'] * 1e3:.1f}",
-            f"{r['shares_s'] * 1e3:.1f}",
-            f"{r['bound_s'] * 1e3:.1f}",
-            f"{r['shares_over_bound']:.3f}",
-            f"{r['even_over_shares']:.2f}",
-        )
-        for r in rows
-    ]
-    return _aligned(head, body)
-
-
-# ------------------------------------------------------------ on each rank
 
 
 def _model(cfg: HeteroConfig) -> nn.Module:
@@ -297,10 +158,21 @@ def _contestants(cfg: HeteroConfig, ref: nn.Module, mesh, rank: int) -> dict:
     }
 
 
-def _by_shares(cfg: HeteroConfig, ref: nn.Module, mesh, rank: int, k: float) -> _Contestant:
+def _measured_shares(cfg: HeteroConfig, whole_k: _Contestant, batches: list, k_here: float) -> dict:
+    """The rows a deployment measured on the ranks gives each: every rank times its whole-batch
+    step at its own speed (rank 1 slowed), at once; the split whose slowest rank finishes first."""
+    from torch_hca.api.deployment import Deployment
+
+    x, y = batches[0]
+    dep = Deployment.measure(step=lambda: whole_k.step(x, y, k_here), rounds=MEASURE_ROUNDS)
+    rows = dep.shares(cfg.batch)
+    g = math.gcd(*rows)
+    return {"shares": tuple(r // g for r in rows), "rows": rows, "speeds": [r.speed for r in dep.ranks]}
+
+
+def _by_shares(cfg: HeteroConfig, ref: nn.Module, mesh, rank: int, shares: tuple, rows: tuple) -> _Contestant:
     import torch_hca as hca
 
-    shares, rows = pick_shares(k, cfg.batch)
     cut = hca.Shard(0, shares=shares)
     model = hca.sharded({}, mesh=mesh, inputs=cut, outputs=cut, loss_reduction="mean")(copy.deepcopy(ref))
     return _Contestant("shares", model, torch.compile(model, backend="hca"), rows, rank)
@@ -348,16 +220,19 @@ def run_rank(cfg: HeteroConfig, since: float | None = None) -> dict:
     ]
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=4 * len(cfg.ks) + 8):
         common = _contestants(cfg, ref, mesh, rank)
-        by_k = {}
+        by_k, picked = {}, {}
         for k in cfg.ks:
-            shares = pick_shares(k, cfg.batch)[0]
-            progress(f"compiling: whole batch, even and shares {':'.join(map(str, shares))} (k={k:g}) ...")
-            by_k[k] = {**common, "shares": _by_shares(cfg, ref, mesh, rank, k)}
+            k_here = k if rank == SLOW else 1.0
+            _warm(common, ["whole_k"], batches, k_here)  # compiled, and its slowdown primed
+            picked[k] = _measured_shares(cfg, common["whole_k"], batches, k_here)
+            shares, rows = picked[k]["shares"], picked[k]["rows"]
+            progress(f"compiling: whole batch, even and shares {':'.join(map(str, shares))} (k={k:g}, measured) ...")
+            by_k[k] = {**common, "shares": _by_shares(cfg, ref, mesh, rank, shares, rows)}
             _warm(by_k[k], list(by_k[k]), batches, 1.0)
             for c in by_k[k].values():
                 c.recent.clear()  # compiling is no part of the step
         progress("timing ...")
-        return {k: _one_k(cfg, k, by_k[k], batches, progress) for k in cfg.ks}
+        return {"picked": picked, "times": {k: _one_k(cfg, k, by_k[k], batches, progress) for k in cfg.ks}}
 
 
 # ------------------------------------------------------------ the command
@@ -401,18 +276,22 @@ def main(json_path: str | None = None, tiny: bool = False, rounds: int | None = 
     progress = Progress("bench --hetero")
     progress(f"starting {WORLD} local gloo ranks")
     before = _cpu_seconds()
-    per_rank = launch(run_rank, WORLD, cfg, progress.since, timeout_s=600.0)
+    results = launch(run_rank, WORLD, cfg, progress.since, timeout_s=600.0)
     others = _others_cores(before, _cpu_seconds())
-    rows = [
-        summarize(k, *pick_shares(k, cfg.batch), {c: [per_rank[r][k][c] for r in range(WORLD)] for c in per_rank[0][k]})
-        for k in cfg.ks
-    ]
+    picked, per_rank = results[0]["picked"], [r["times"] for r in results]
+    by_contestant = lambda k: {c: [per_rank[r][k][c] for r in range(WORLD)] for c in per_rank[0][k]}
+    rows = [summarize(k, picked[k]["shares"], picked[k]["rows"], by_contestant(k)) for k in cfg.ks]
     progress("done")
-    parts = [
-        p for k in cfg.ks for p in breakdown(k, {c: [per_rank[r][k][c] for r in range(WORLD)] for c in per_rank[0][k]})
-    ]
+    parts = [p for k in cfg.ks for p in breakdown(k, by_contestant(k))]
     after = os.getloadavg()
     print(table(rows))
+    print("\nshares from the deployment measured on the ranks (each rank's whole-batch step, at once):")
+    for k in cfg.ks:
+        speeds, hand = picked[k]["speeds"], pick_shares(k, cfg.batch)[1]
+        print(
+            f"k={k:g}: speeds {speeds[FAST]:.2f} : {speeds[SLOW]:.2f} steps/s (k measured {speeds[FAST] / speeds[SLOW]:.2f})"
+            f" -> rows {':'.join(map(str, picked[k]['rows']))}; balanced for the k asked: {':'.join(map(str, hand))}"
+        )
     print('\ngoals (docs/heterogeneous.md, "Measuring heterogeneity here"):')
     print("\n".join(goals(rows)))
     print("\nwhere the steps go (medians):")
@@ -432,6 +311,7 @@ def main(json_path: str | None = None, tiny: bool = False, rounds: int | None = 
                     "others_cores": others,
                     "rows": rows,
                     "breakdown": parts,
+                    "measured_shares": {f"{k:g}": picked[k] for k in cfg.ks},
                     "raw": {f"{k:g}": [per_rank[r][k] for r in range(WORLD)] for k in cfg.ks},
                 },
                 f,
