@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor
 
 import torch_hca as hca
+from torch_hca.report import strategy_file
 from torch_hca.tools.step_profile import StepProfile
 
 import model_zoo
@@ -159,6 +160,10 @@ def zoo_parity(
     result["implicit"] = [m for g in rep.graphs for m in g.implicit_redistributions]
     result["forward"] = rep.collective_counts("forward")
     result["backward"] = rep.collective_counts("backward")
+    # The strategy this compile decided, as its file holds it, checked by the independent
+    # verifier (torch_hca/verify): milliseconds, so every parity case is also a verifier case.
+    verified = hca.verify(strategy_file.build(rep), raise_on_failure=False)
+    result["verify_problems"] = [str(p) for p in verified.problems]
     return result
 
 

@@ -126,7 +126,7 @@ def _value_entry(node: fx.Node, kind: str) -> dict | None:
         meta = {"shape": list(v.shape), "dtype": dtype_str(v.dtype), "placements": layout_str(v.placements)}
     if meta is None:
         return None
-    return {
+    entry = {
         "kind": kind,
         "op": _target(node) if node.op != "placeholder" else "placeholder",
         "shape": list(meta["shape"]),
@@ -134,6 +134,9 @@ def _value_entry(node: fx.Node, kind: str) -> dict | None:
         "placements": layout_texts(meta["placements"]),
         "reads": [],
     }
+    if isinstance(v, torch.Tensor):  # a value without a cotangent (a mask, token ids) owes no backward
+        entry["requires_grad"] = bool(v.requires_grad)
+    return entry
 
 
 def _graph_entry(g: Any, mesh: dict) -> dict:

@@ -96,6 +96,7 @@ def owed(G: Graph) -> Iterator[Problem]:
             if (
                 s.get("kind") == "all_gather"
                 and (m.get("dst") or [])[d] == "R"
+                and G.values.get(node, {}).get("requires_grad", True) is not False  # no cotangent, none owed
                 and _varies(G, node, d)
                 and s.get("backward") is None
             ):
@@ -108,7 +109,7 @@ def owed(G: Graph) -> Iterator[Problem]:
                 )
     origins = {(c.get("origin"), c.get("mesh_dim")) for c in G.collectives.values() if c.get("direction") == "backward"}
     for name, p in G.values.items():
-        if p.get("kind") != "parameter" or p.get("cotangent_role") != "eager":
+        if p.get("kind") != "parameter" or p.get("cotangent_role") != "eager" or p.get("requires_grad") is False:
             continue
         # The parameter's read, and the eager-gradient reads the compiler marks with the same layout.
         reads = [name] + [
