@@ -1,0 +1,85 @@
+"""Work run on every rank by tests/test_moe.py: HF Mixtral (mixture of experts) compiled by hca
+against one device. Plain module, importable by the spawned ranks; no pytest here."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Shard
+
+import torch_hca as hca
+
+import model_zoo
+from dist_cases import full, rel_err
+
+# Expert storage: each expert weight tensor ([experts, ...]) cut by experts over the ranks.
+EXPERTS = {"hf.model.layers.*.mlp.experts.*": Shard(0)}
+
+
+def mixtral():
+    """4 experts, 2 a token, 1 layer, GQA (4 query heads over 2 kv heads). `experts_implementation="eager"`:
+    HF's loop over the experts (its default grouped kernel fails in the lift pass, docs/huggingface.md)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=model_zoo.VOCAB,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+        use_cache=False,
+        attn_implementation="sdpa",
+        experts_implementation="eager",
+    )
+    return model_zoo.LogitsOf(MixtralForCausalLM(config), ("input_ids",))
+
+
+def mixtral_parity(plans: list[str], steps: int = 2) -> dict:
+    """Per plan ("dp": parameters replicated, the batch split; "experts": `EXPERTS`, the batch
+    split): outputs, every gradient and the parameters after `steps` SGD steps against one device,
+    and the collectives of the compiled graphs."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    results = {}
+    for plan in plans:
+        torch._dynamo.reset()
+        mesh = hca.init_mesh()
+        torch.manual_seed(0)
+        ref = mixtral()
+        model = hca.sharded({} if plan == "dp" else EXPERTS, mesh=mesh, inputs=Shard(0), outputs=Shard(0))(
+            copy.deepcopy(ref)
+        )
+        compiled = torch.compile(model, backend="hca")
+        opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        out_err, grad_errs = 0.0, {}
+        for step in range(steps):
+            torch.manual_seed(100 + step)  # one global batch, the same on every rank
+            (ids,) = model_zoo.token_inputs(2 * world)
+            local = ids.chunk(world)[rank]
+            out = full(compiled(local), mesh, Shard(0))  # the whole batch's logits: one device's loss
+            model_zoo.lm_loss(out, (ids,)).backward()
+            ref_out = ref(ids)
+            model_zoo.lm_loss(ref_out, (ids,)).backward()
+            out_err = max(out_err, rel_err(out.detach(), ref_out.detach()))
+            for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+                g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                grad_errs[name] = max(grad_errs.get(name, 0.0), rel_err(g, q.grad))
+            opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+        rep = hca.report(compiled)
+        results[plan] = {
+            "out_err": out_err,
+            "grad_errs": grad_errs,
+            "param_errs": {
+                n: rel_err(p.full_tensor().detach(), q.detach())
+                for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())
+            },
+            "experts": {n: str(p.placements) for n, p in model.named_parameters() if ".experts." in n},
+            "forward": rep.collective_counts("forward"),
+            "backward": rep.collective_counts("backward"),
+        }
+    return results
