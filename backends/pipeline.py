@@ -372,7 +372,7 @@ def _dump_tables(ctx: PassContext) -> None:
         rep = CompileReport([ctx.report])
         dump(ctx, "collectives", rep.table() + "\n", suffix="txt")
         dump(ctx, "report", rep.to_json() + "\n", suffix="json")
-        if ctx.report.dtensor_program is not None and ctx.report.layout.strategy_facts is not None:  # laid out
+        if strategy_file.laid_out(ctx.report):
             text = json.dumps(strategy_file.build(rep), indent=1, sort_keys=True)
             dump(ctx, "strategy", text + "\n", suffix="json")
 

@@ -187,6 +187,29 @@ def llama(layers: int = 2) -> Built:
     return LogitsOf(hf, ("input_ids",)), token_inputs, lm_loss
 
 
+def mixtral() -> Built:
+    """Mixture of experts (tests/test_moe.py; not in MODELS, for the suite's time): 4 experts, 2 a
+    token, 1 layer, GQA (4 query heads over 2 kv heads). `experts_implementation="eager"`: HF's loop
+    over the experts (its default grouped kernel fails in the lift pass, docs/huggingface.md)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+        use_cache=False,
+        attn_implementation="sdpa",
+        experts_implementation="eager",
+    )
+    return LogitsOf(MixtralForCausalLM(config), ("input_ids",)), token_inputs, lm_loss
+
+
 def bert(dropout: float = 0.0) -> Built:
     """BertForMaskedLM: padding mask, token types, post-LN, the MLM head's decoder tied
     to the word embeddings (HF's default), and its bias tied to ``cls.predictions.bias``."""

@@ -18,28 +18,6 @@ from dist_cases import full, rel_err
 EXPERTS = {"hf.model.layers.*.mlp.experts.*": Shard(0)}
 
 
-def mixtral():
-    """4 experts, 2 a token, 1 layer, GQA (4 query heads over 2 kv heads). `experts_implementation="eager"`:
-    HF's loop over the experts (its default grouped kernel fails in the lift pass, docs/huggingface.md)."""
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    config = MixtralConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=model_zoo.VOCAB,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=32,
-        use_cache=False,
-        attn_implementation="sdpa",
-        experts_implementation="eager",
-    )
-    return model_zoo.LogitsOf(MixtralForCausalLM(config), ("input_ids",))
-
-
 def mixtral_parity(plans: list[str], steps: int = 2) -> dict:
     """Per plan ("dp": parameters replicated, the batch split; "experts": `EXPERTS`, the batch
     split): outputs, every gradient and the parameters after `steps` SGD steps against one device,
@@ -50,7 +28,7 @@ def mixtral_parity(plans: list[str], steps: int = 2) -> dict:
         torch._dynamo.reset()
         mesh = hca.init_mesh()
         torch.manual_seed(0)
-        ref = mixtral()
+        ref, _, _ = model_zoo.mixtral()
         model = hca.sharded({} if plan == "dp" else EXPERTS, mesh=mesh, inputs=Shard(0), outputs=Shard(0))(
             copy.deepcopy(ref)
         )

@@ -71,13 +71,12 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
-import torch
 import torch.distributed as dist
 
 from torch_hca.spmd.calibration_cache import Calibration, cached_calibration, now_utc, store_calibration
 from torch_hca.spmd.cost_model import CostModel
 from torch_hca.errors import HCAError, MeshError
-from torch_hca.runtime.mesh import current_mesh
+from torch_hca.runtime.mesh import rank_device
 from torch_hca.api.calibration_figures import JUDGED, MAX_SPREAD, fastest_rounds, figures_of, noisy_probes
 from torch_hca.api.calibration_probes import Probes, host_s, time_round
 
@@ -133,11 +132,6 @@ def _checked(repeats, rounds, max_spread) -> tuple[int, int, float]:
     return repeats, rounds, float(max_spread)
 
 
-def _device() -> torch.device:
-    mesh = current_mesh()
-    return torch.device(mesh.device_type if mesh is not None else "cpu")
-
-
 def _rank0_cached() -> Calibration | None:
     """Rank 0's quiet cache entry for this world, on every rank (None on every rank when it has
     none, or only a noisy one: that is measured again)."""
@@ -155,7 +149,7 @@ def _broadcast(cal: Calibration | None) -> Calibration | None:
 def _measure(repeats: int, rounds: int = 3, max_spread: float = MAX_SPREAD) -> Calibration:
     """Rank 0's figures on every rank: `rounds` rounds of every probe, each probe's fastest
     round, and the figures derived from those (`figures_of`); noisy where `noisy_probes`."""
-    device = _device()
+    device = rank_device()
     probes = Probes(device)
     measured_at = now_utc()
     times, spread = fastest_rounds([time_round(probes, repeats) for _ in range(rounds)])

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from torch_hca.errors import MeshError
+from torch_hca.runtime.mesh import rank_device
 from torch_hca.spmd.calibration_cache import now_utc
 from torch_hca.spmd.shares import rows_by_speed
 
@@ -185,7 +186,7 @@ class Deployment:
             times.append(time.perf_counter() - t0)
         seconds = statistics.median(times)
         speed = (flops / 1e9 if flops else 1.0) / max(seconds, 1e-9)
-        mine = {"device": _device_of_this_rank(), "speed": speed}
+        mine = {"device": str(rank_device()), "speed": speed}
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         return cls(
@@ -195,15 +196,8 @@ class Deployment:
         )
 
 
-def _device_of_this_rank() -> str:
-    backend = dist.get_backend()
-    if "nccl" in str(backend) and torch.cuda.is_available():
-        return f"cuda:{torch.cuda.current_device()}"
-    return "cpu"
-
-
 def _matmul_work(n: int = 256, chain: int = 16) -> tuple[Callable[[], None], float]:
-    device = torch.device(_device_of_this_rank())
+    device = rank_device()
     a, w = torch.randn(n, n, device=device), torch.randn(n, n, device=device) / n**0.5
 
     def work():

@@ -318,10 +318,15 @@ def model_digest(model: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
 
 
+def laid_out(g: Any) -> bool:
+    """Whether graph report `g` has a strategy to write: a DTensor program the layout pass laid out."""
+    return g.dtensor_program is not None and g.layout.strategy_facts is not None
+
+
 def build(rep: Any) -> dict:
     """The strategy file's content for a `CompileReport`."""
     graphs = [g for g in rep.graphs if g.dtensor_program is not None]
-    if not graphs or any(g.layout.strategy_facts is None for g in graphs):
+    if not graphs or not all(laid_out(g) for g in graphs):
         raise StrategyError(
             "save_strategy: no laid-out graph in this report (options inner='dtensor' and "
             "layout='solve' or 'as_written' all lay one out); compile and call the module once first"

@@ -186,6 +186,13 @@ def current_mesh() -> DeviceMesh | None:
     return _current_mesh
 
 
+def rank_device() -> torch.device:
+    """This rank's device: the current mesh's device type ("cpu" without a mesh), on CUDA the
+    current device."""
+    kind = _current_mesh.device_type if _current_mesh is not None else "cpu"
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+
+
 def reset_current_mesh() -> None:
     """Forget the current mesh (after the process group is destroyed)."""
     global _current_mesh
