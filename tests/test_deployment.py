@@ -108,7 +108,7 @@ def test_a_deployment_is_checked_against_the_world():
 def test_measured_on_the_ranks_and_the_batch_cut_by_it_trains_as_one_device(worlds):
     """Rank 1's step sleeps twice rank 0's: measured speeds about 2:1, the same deployment on
     every rank; its shares of a batch of 12 (8:4) train as one device (outputs, gradients,
-    parameters after 2 SGD steps)."""
+    parameters after 2 SGD steps) with the gradient all-reduces of data parallelism only."""
     measured = worlds(2).run(uneven_cases.measured_deployment, 0.01)
     assert measured[0] == measured[1] and measured[0]["unit"] == "steps/s"
     dep = hca.Deployment.from_dict(measured[0])
@@ -118,3 +118,5 @@ def test_measured_on_the_ranks_and_the_batch_cut_by_it_trains_as_one_device(worl
     assert shares == (8, 4), (shares, ratio)
     for r in worlds(2).run(uneven_cases.dp_by_shares, "deep_mlp", shares, 12):
         assert max(r["out_err"], *r["grad_errs"].values(), *r["param_errs"].values()) <= TOL, r
+        # Data parallelism by shares: nothing moves forward; the backward sums gradients (all-reduces).
+        assert {(d, kind) for d, kind, *_ in r["collectives"]} == {("backward", "all_reduce")}, r["collectives"]
