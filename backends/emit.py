@@ -1,10 +1,12 @@
 """Emit: turn a checked c10d graph into something callable.
 
-"eager": run the FX graph (boxed calling convention for AOTAutograd), less two
-costs Inductor drops too: an all_reduce of a buffer the graph has just made for
-it alone (a bucket) reduces that buffer in place instead of a copy, and
-`detach` nodes that only ops read (no grad is recorded inside a compiled graph)
-are skipped.
+"eager": run the FX graph (boxed calling convention for AOTAutograd), less
+three costs: an all_reduce of a buffer the graph has just made for it alone (a
+bucket) reduces that buffer in place instead of a copy; `detach` nodes that only
+ops read (no grad is recorded inside a compiled graph) are skipped; and a tied
+embedding's gradient (the head's matmul gradient plus the embedding's) adds the
+embedding's rows into the matmul's fresh result instead of building a zeroed
+table of the whole vocabulary and summing two of them.
 "inductor": hand the same graph to Inductor, which lowers the
 `_c10d_functional` ops itself, with waits kept late (its "sink_waits" pass).
 
@@ -41,6 +43,8 @@ _VIEW = torch.ops.aten.view.default
 _REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _DETACH = torch.ops.aten.detach.default
+_ADD = torch.ops.aten.add.Tensor
+_EMBEDDING_BACKWARD = torch.ops.aten.embedding_dense_backward.default
 
 
 def emit(gm: fx.GraphModule, example_inputs: list[Any], inner: str, is_backward: bool = False) -> Callable:
@@ -70,17 +74,96 @@ def eager_graph(gm: fx.GraphModule) -> fx.GraphModule:
     detach costs a few microseconds of dispatch each, and a backward has dozens.
     The report keeps the graph as the passes emitted it.
     """
-    if not (_scatters_on_gloo(gm) or _skippable_detaches(gm) or _reductions_in_place(gm)):
+    if not (_scatters_on_gloo(gm) or _skippable_detaches(gm) or _reductions_in_place(gm) or _tied_embedding_sums(gm)):
         return gm
     gm = copy_graph_module(gm)
     _scatter_by_all_reduce(gm)
     for node in _skippable_detaches(gm):
         node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)
-    for node in _reductions_in_place(gm):
+    in_place = _reductions_in_place(gm)  # before the sums below write their buffers
+    for add, rows, dense in _tied_embedding_sums(gm):
+        _add_rows_in_place(gm.graph, add, rows, dense)
+    for node in in_place:
         node.target = _ALL_REDUCE_IN_PLACE
     gm.recompile()
     return gm
+
+
+def _tied_embedding_sums(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
+    """(add, embedding_dense_backward, dense) for each `add(dense, embedding_dense_backward(...))` whose
+    dense operand is a fresh buffer (through views) that nothing else reads, of the table's shape.
+
+    That is a tied weight's gradient (GPT-2's LM head and token embedding): the embedding's part is a
+    zeroed table with a few rows filled (on GPT-2 small 154 MB zeroed for 256 rows), then summed
+    into a third table. Written into the head's gradient instead, the step skips both passes over
+    the table: on this project's 2-core VM they were 0.5-0.6 s each of a 3.5 s step, mostly first-touch
+    page faults of fresh memory (docs/bench.md)."""
+    found = []
+    for add in gm.graph.find_nodes(op="call_function", target=_ADD):
+        if add.kwargs or len(add.args) != 2:
+            continue
+        for rows, dense in (add.args, reversed(add.args)):
+            if not (
+                isinstance(rows, fx.Node)
+                and rows.target is _EMBEDDING_BACKWARD
+                and len(rows.users) == 1
+                and not rows.args[4]  # scale_grad_by_freq: rows are not plain sums
+                and _owned_fresh(dense)
+            ):
+                continue
+            want, have = rows.meta.get("val"), dense.meta.get("val")
+            if (
+                isinstance(want, torch.Tensor)
+                and isinstance(have, torch.Tensor)
+                and have.shape == want.shape
+                and have.dtype == want.dtype
+                and have.is_contiguous()
+            ):
+                found.append((add, rows, dense))
+                break
+    return found
+
+
+def _owned_fresh(node: Any) -> bool:
+    """Whether `node` is new memory, or a chain of views of it, that only the next node in the chain
+    (and, for `node` itself, its one reader) reads: writing through it changes nothing else."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and len(node.users) == 1 and is_view(node):
+        node = node.args[0]
+    return (
+        isinstance(node, fx.Node)
+        and node.op == "call_function"
+        and len(node.users) == 1
+        and isinstance(node.target, torch._ops.OpOverload)
+        and not is_view(node)
+        and not written(node)
+    )
+
+
+def _add_rows_in_place(graph: fx.Graph, add: fx.Node, rows: fx.Node, dense: fx.Node) -> None:
+    """add(dense, embedding_dense_backward(grad, ids, n, padding_idx, False)) ->
+    dense.index_put_([ids.reshape(-1)], grad.reshape(-1, d) (padding_idx's rows zeroed), accumulate=True)."""
+    aten = torch.ops.aten
+    grad, ids, _, padding_idx = rows.args[:4]
+    width = rows.meta["val"].shape[1]
+    grad_val, ids_val = grad.meta["val"], ids.meta["val"]
+    with graph.inserting_before(add):
+        flat_ids = graph.call_function(aten.reshape.default, (ids, [-1]))
+        flat_ids.meta["val"] = ids_val.reshape(-1)
+        values = graph.call_function(aten.reshape.default, (grad, [-1, width]))
+        values.meta["val"] = grad_val.reshape(-1, width)
+        if padding_idx >= 0:  # the padding row's gradient stays zero, as embedding_dense_backward has it
+            is_pad = graph.call_function(aten.eq.Scalar, (flat_ids, padding_idx))
+            is_pad.meta["val"] = flat_ids.meta["val"] == padding_idx
+            column = graph.call_function(aten.unsqueeze.default, (is_pad, 1))
+            column.meta["val"] = is_pad.meta["val"].unsqueeze(1)
+            values = graph.call_function(aten.masked_fill.Scalar, (values, column, 0))
+            values.meta["val"] = torch.empty_like(grad_val.reshape(-1, width))
+        summed = graph.call_function(aten.index_put_.default, (dense, [flat_ids], values, True))
+    summed.meta["val"] = add.meta["val"]
+    add.replace_all_uses_with(summed)
+    graph.erase_node(add)
+    graph.erase_node(rows)
 
 
 def _scatters_on_gloo(gm: fx.GraphModule) -> list[fx.Node]:
