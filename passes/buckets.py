@@ -22,7 +22,14 @@ not itself late, events.py; the graph output counts as the end). Rule (3) is
 the choice made here: a merge never delays a consumer past where the traced
 order already had it, so no overlap the traced order allowed is lost to a
 bucket. Otherwise the bucket closes and the candidate opens a new one.
-Buckets of one collective are left as they are.
+Buckets of one collective are not rewritten; in the backward graph each is moved
+as a bucket is, its start right after its input, its wait directly after it
+(`place_singles`): the transpose pass emits the gradient reductions at the end of
+the graph, and a group issues its collectives in graph order, so a large
+reduction left there would wait for the last bucket (on GPT-2 small every weight
+gradient waited for the first block's biases, at the end of the backward). The
+forward graph's weight gathers stay where they are: gathering every weight at the
+start is the memory FSDP-style storage exists to save.
 
 The rewrite (`merge`), per kind, for members ``x_i`` of shape ``s_i``, ``n``
 the group size::
@@ -55,7 +62,7 @@ import torch.fx as fx
 from torch_hca._torch_private import fake_mode_of
 from torch_hca.spmd.collective_nodes import OPS, WAIT, payload_bytes
 
-from torch_hca.spmd.events import late_nodes
+from torch_hca.spmd.events import is_view, late_nodes, written
 from .transpose import PARTNER, RULE
 
 aten = torch.ops.aten
@@ -307,6 +314,13 @@ def merge(
     return coll
 
 
+def root_of(node: fx.Node) -> fx.Node:
+    """The buffer a chain of views reads."""
+    while is_view(node) and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
 def bucket_collectives(graph: fx.Graph, which: str, cap_bytes: float) -> list[dict[str, Any]]:
     """Merge the collectives of `graph` into buckets of at most `cap_bytes`; what was merged.
 
@@ -338,4 +352,23 @@ def bucket_collectives(graph: fx.Graph, which: str, cap_bytes: float) -> list[di
                 }
             )
         if not chained:
-            return done
+            break
+    if which == "backward":
+        place_singles(graph, which, anchors)
+    return done
+
+
+def place_singles(graph: fx.Graph, which: str, anchors: dict[fx.Node, fx.Node]) -> None:
+    """Move each candidate left unbucketed right after its input (after the buckets already
+    placed there), its wait directly after it, in input-ready order, as `merge` places a bucket.
+    A candidate whose input some node writes in place keeps its place."""
+    nodes = list(graph.nodes)
+    written_roots = {root_of(w) for n in nodes for w in written(n)}
+    late = late_nodes(nodes)
+    for m in sorted(candidates(graph, which), key=lambda m: (m.ready, m.coll.name)):
+        if root_of(m.coll.args[0]) in written_roots:
+            continue
+        anchor, latest = _anchor(graph, [m], anchors, late)
+        anchor.append(m.coll)
+        m.coll.append(m.wait)
+        anchors[latest] = m.wait
