@@ -336,8 +336,10 @@ def bucket_collectives(graph: fx.Graph, which: str, cap_bytes: float) -> list[di
         buckets = form_buckets(members, cap_bytes)
         mode = fake_mode_of([m.coll.meta["val"] for m in members])
         late = late_nodes(list(graph.nodes))
-        if not buckets or mode is None:  # no fake mode: never run a collective to learn a shape
+        if mode is None:  # no fake mode: never run a collective to learn a shape
             return done
+        if not buckets:
+            break
         chained = any(m.upstream for m in members)
         for bucket in buckets[:1] if chained else buckets:
             members_bytes = [[m.coll.name, m.nbytes] for m in bucket]

@@ -83,7 +83,7 @@ class SchedulePass:
         bucketed, reordered = before, False
         if opts.schedule:
             buckets = bucket_collectives(gm.graph, self.which, _bucket_cap(gm, ctx))
-            bucketed = copy_graph_module(gm) if buckets else before
+            bucketed = copy_graph_module(gm)  # the checker's baseline: buckets and moved singles are rewrites
             traced = list(gm.graph.nodes)
             order, forced = plan_order(gm.graph, opts.max_in_flight_mb * MB)
             moved = {**count_moves(traced, order), "waits_forced": forced}
