@@ -211,3 +211,26 @@ def test_two_d_mesh_round_trip_and_another_mesh_is_a_named_error(fake_pg, tmp_pa
         hca.StrategyError, match=r"another mesh: the file says shape \[4\], this compile has shape \[2, 2\]"
     ):
         _compiled(*dp_2d(), strategy=str(tmp_path / "dp_1d.json"))
+
+
+def test_sharded_strategy_keyword_loads_the_file(fake_pg, tmp_path):
+    path = tmp_path / "dp.json"
+    solved = _compiled(*_dp())
+    data = solved.save_strategy(path)
+
+    def dp(strategy):
+        return hca.sharded({}, inputs=Shard(0), outputs=Shard(0), strategy=strategy)(zoo.DeepMLP(16, 4))
+
+    loaded = _compiled(dp(path), torch.randn(8, 16))  # no option: the module's file
+    assert loaded.graph.layout.solver == f"strategy file {path}" and loaded.graph.layout.probe_seconds == 0.0
+    assert loaded.collective_counts() == solved.collective_counts()
+    assert loaded.save_strategy(tmp_path / "again.json") == data
+    same = _compiled(dp(str(path)), torch.randn(8, 16), strategy=str(path))  # both name one file: fine
+    assert same.graph.layout.solver == f"strategy file {path}"
+    other = tmp_path / "other.json"
+    with pytest.raises(hca.OptionsError, match=rf"options\['strategy'\]='{other}' and hca.sharded\(.*'{path}'\)"):
+        _compiled(dp(path), torch.randn(8, 16), strategy=str(other))
+    with pytest.raises(hca.OptionsError, match=r"strategy=.* and layout='tune' both choose"):
+        _compiled(dp(path), torch.randn(8, 16), layout="tune")
+    with pytest.raises(hca.PlanError, match="strategy= must be the path of a strategy file"):
+        hca.sharded({}, strategy=3)

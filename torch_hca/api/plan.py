@@ -17,6 +17,7 @@ from __future__ import annotations
 import copyreg
 import dataclasses
 import functools
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -130,7 +131,21 @@ def _check_same_plan(module: nn.Module, spec: ShardingSpec) -> None:
             )
 
 
-def _shard_instance(module: nn.Module, plan, mesh, inputs, outputs, grad_reduction, loss_reduction="sum") -> nn.Module:
+def _strategy_path(strategy: Any) -> str | None:
+    """``hca.sharded(..., strategy=)`` checked: None or the path of a strategy file."""
+    if strategy is None:
+        return None
+    if not isinstance(strategy, (str, os.PathLike)):
+        raise PlanError(
+            f"hca.sharded: strategy= must be the path of a strategy file, got {strategy!r}; "
+            "write one with hca.report(compiled).save_strategy(path)"
+        )
+    return os.fspath(strategy)
+
+
+def _shard_instance(
+    module: nn.Module, plan, mesh, inputs, outputs, grad_reduction, loss_reduction="sum", strategy=None
+) -> nn.Module:
     if getattr(module, "_hca_spec", None) is not None:
         raise PlanError(
             f"hca.sharded: this {type(module).__name__} is already sharded; apply the "
@@ -152,6 +167,7 @@ def _shard_instance(module: nn.Module, plan, mesh, inputs, outputs, grad_reducti
         grad_scale=grad_scale(loss_reduction, mesh, out_layout),
         share_weight=share_weight(loss_reduction, mesh, out_layout),
         uneven=uneven,
+        strategy=strategy,
     )
     _check_same_plan(module, spec)
     _distribute(module, spec)
@@ -170,6 +186,7 @@ def sharded(
     outputs: Any = Replicate(),
     grad_reduction: str | Mapping[str, str] = "eager",
     loss_reduction: str = "sum",
+    strategy: str | os.PathLike | None = None,
 ):
     """Store a module's parameters over a device mesh as `plan` says.
 
@@ -190,6 +207,10 @@ def sharded(
     (those of their mean, as DDP averages: each result's cotangent is divided
     by the number of ranks holding different pieces of it). A loss computed
     inside ``forward`` or on a replicated result is exact under either.
+    ``strategy``: the path of a strategy file (``hca.report(c).save_strategy``)
+    that a compile of this module loads instead of solving, as
+    ``options={"strategy": path}`` does (docs/strategy.md); an option naming
+    another file is an `OptionsError`.
 
     Use on a class (parameters are distributed at the end of ``__init__``) or
     on an instance (distributed at once, returns the same module)::
@@ -200,9 +221,11 @@ def sharded(
         model = hca.sharded({"fc1.*": Shard(0)}, mesh=mesh)(MLP())
     """
 
+    strategy = _strategy_path(strategy)
+
     def apply(target):
         if isinstance(target, nn.Module):
-            _shard_instance(target, plan, mesh, inputs, outputs, grad_reduction, loss_reduction)
+            _shard_instance(target, plan, mesh, inputs, outputs, grad_reduction, loss_reduction, strategy)
             if getattr(type(target).forward, "_hca_wrapped", False):
                 support_pickling(type(target), made=False)  # torch.save(model): see "pickling"
             else:
@@ -215,7 +238,7 @@ def sharded(
             def sharded_init(self, *args, **kwargs):
                 init(self, *args, **kwargs)
                 if type(self) is target:
-                    _shard_instance(self, plan, mesh, inputs, outputs, grad_reduction, loss_reduction)
+                    _shard_instance(self, plan, mesh, inputs, outputs, grad_reduction, loss_reduction, strategy)
 
             target.__init__ = sharded_init
             target.forward = wrap_forward(target.forward)

@@ -31,6 +31,9 @@ class ShardingSpec:
     # this rank's share of the rows under loss_reduction="mean" (torch_hca.spmd.shares.weight).
     share_weight: float = 1.0
     uneven: bool = False  # some argument is cut by shares (hca.Shard(d, shares=...))
+    # hca.sharded(..., strategy=path): the strategy file a compile of this module loads when its
+    # options name none (backends/entry.py, docs/strategy.md).
+    strategy: str | None = None
 
     def input_layout(self, index: int | None) -> Layout | None:
         if not self.per_argument:

@@ -22,8 +22,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 _SHARDED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
 
-def _parameter_info(t: Any) -> tuple[str, str] | None:
-    """(qualified name, gradient role) of a parameter of a sharded module, else None."""
+def _owner(t: Any) -> tuple[nn.Module, str] | None:
+    """(the sharded module, qualified name) of a parameter of a sharded module, else None."""
     if not isinstance(t, nn.Parameter):  # also true of a DTensor parameter
         return None
     for rebuild in (False, True):  # a parameter replaced since the cache was built: rebuild once
@@ -32,9 +32,24 @@ def _parameter_info(t: Any) -> tuple[str, str] | None:
                 names = _SHARDED[module] = {id(p): n for n, p in module.named_parameters()}
             name = names.get(id(t))
             if name is not None and _get_parameter(module, name) is t:
-                spec = module.__dict__.get("_hca_spec")
-                return name, spec.grad_roles.get(name, "eager") if spec is not None else "eager"
+                return module, name
     return None
+
+
+def _parameter_info(t: Any) -> tuple[str, str] | None:
+    """(qualified name, gradient role) of a parameter of a sharded module, else None."""
+    owner = _owner(t)
+    if owner is None:
+        return None
+    module, name = owner
+    spec = module.__dict__.get("_hca_spec")
+    return name, spec.grad_roles.get(name, "eager") if spec is not None else "eager"
+
+
+def parameter_module(t: torch.Tensor) -> nn.Module | None:
+    """The module `hca.sharded` distributed parameter `t` of, else None."""
+    owner = _owner(t)
+    return owner[0] if owner else None
 
 
 def _get_parameter(module: nn.Module, name: str) -> torch.Tensor | None:
