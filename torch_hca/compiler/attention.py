@@ -235,16 +235,47 @@ def runs_in_place(args: tuple, kwargs: dict, layout_of: Callable[[Any], tuple | 
     )
 
 
+# ----------------------------------------------------------------------------- attention dropout, refused
+
+SDPA = {torch.nn.functional.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+
+
+def dropout_refused(p, where: str = "") -> UnsupportedError:
+    """The one refusal of attention dropout: the lift pass's (any plan) and eager calls'."""
+    return UnsupportedError(
+        f"scaled_dot_product_attention with dropout_p={p}: attention dropout is not supported, under any plan "
+        "(data parallel, Megatron, FSDP-style or solved) nor in eager calls of a sharded module: each rank would draw "
+        "a mask of its own, not its piece of one device's. Fix: set the model's attention dropout to 0.0 when you "
+        "build it: GPT2Config(attn_pdrop=0.0) or from_pretrained(..., attn_pdrop=0.0) (GPT-2), attention_dropout=0.0 "
+        "(Llama, Mistral, Qwen2, BART), attention_probs_dropout_prob=0.0 (BERT, ViT); on a built GPT-2, "
+        "module.attn_dropout.p = 0.0 in every attention module. Hidden dropout (resid_pdrop, embd_pdrop, "
+        f"hidden_dropout_prob) is supported as one device draws it{where}"
+    )
+
+
+def refuse_dropout(graph) -> None:
+    """Refuse attention dropout in a sharded module's logical program before anything runs, wherever its
+    inputs are placed: on plain inputs every rank would run it whole with its own generator, unchecked."""
+    from torch_hca.compiler.layout.candidates import source_line  # the layout package imports this module
+
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in SDPA:
+            continue
+        try:
+            p = inspect.signature(sdpa).bind(*node.args, **node.kwargs).arguments.get("dropout_p", 0.0)
+        except TypeError:
+            continue  # a call the op itself will refuse
+        if not isinstance(p, (int, float)) or p:  # a traced value may be anything
+            raise dropout_refused(p, f" (node {node.name}; source: {source_line(node)})")
+
+
 # ----------------------------------------------------------------------------- the entry the lift pass calls
 
 
 def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """``F.scaled_dot_product_attention`` of the logical program, as ``hca::attention``."""
     if dropout_p:
-        raise UnsupportedError(
-            f"scaled_dot_product_attention with dropout_p={dropout_p}: attention dropout is not supported "
-            "yet; set the model's attention dropout to 0.0 (e.g. config.attn_pdrop / attention_dropout)"
-        )
+        raise dropout_refused(dropout_p)
     if q.dim() < 3:
         raise UnsupportedError(
             f"scaled_dot_product_attention on a {q.dim()}-D query; give [..., L, E] with a batch dim"

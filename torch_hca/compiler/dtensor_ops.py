@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.utils._pytree import tree_leaves, tree_map
 
 from torch_hca._torch_private import redistribute_to_partial
+from torch_hca.compiler import attention as attention_ops
 from torch_hca.errors import UnsupportedError
 from torch_hca.compiler.logical import ScaleGrad, contiguous_stride, mesh_of
 
@@ -126,11 +127,7 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     plain causal mask with DTensors; here the mask is a replicated DTensor.
     """
     if dropout_p:
-        raise UnsupportedError(
-            f"scaled_dot_product_attention with dropout_p={dropout_p}: attention dropout is not supported on "
-            "DTensors yet; set the model's attention dropout to 0.0 (e.g. config.attn_pdrop / attention_dropout), "
-            "or apply dropout outside attention"
-        )
+        raise attention_ops.dropout_refused(dropout_p)
     # Attention is not linear in q, k or v: a partial sum among them is summed first.
     q, k, v = (_gathered(t, keep=lambda p: not p.is_partial()) for t in (q, k, v))
     if _splits_only_batch_or_heads(q, k, v):

@@ -78,8 +78,7 @@ def _replicated(v: DTensor) -> DTensor:
 
 def lift(gm: fx.GraphModule) -> "Lifted | None":
     """Rewrite `gm` in place into a DTensor program; None if it holds no marker (nothing to lift)."""
-    lifted = Lifted()
-    return lifted if lifted.run(gm) else None
+    return lifted if (lifted := Lifted()).run(gm) else None
 
 
 class Lifted:
@@ -96,6 +95,7 @@ class Lifted:
         markers = [n for n in graph.nodes if n.target in (ENTER, LEAVE)]
         if not markers:
             return False  # per-rank code, or a replicated middle of a graph break
+        attention.refuse_dropout(graph)  # under every plan, before anything runs
         self.mesh_index = (
             markers[0].args[3] if markers[0].target is ENTER else markers[0].args[2]
         )  # leave(value, layout, mesh, scale)
