@@ -396,3 +396,108 @@ def test_verify_reads_paths_and_names_a_truncated_file(strategies, tmp_path):
     with pytest.raises(hca.StrategyError, match="not valid JSON"):
         hca.verify(path)
     assert [p.rule for p in problems({"schema": "torch_hca.strategy", "version": 7})] == ["schema version"]
+
+
+# ----------------------------------------------------------------------------- against the model
+# hca.verify(model, strategy, example_inputs): the file against the model's forward, re-traced with
+# torch alone on the whole inputs (torch_hca/verify/retrace.py).
+
+FACTORIES = """
+import torch
+import torch_hca as hca
+from torch_hca.tools import zoo
+
+def tp_block():
+    return hca.sharded(zoo.TP_BLOCK)(zoo.TransformerBlock(128, 4, 512))
+
+def mlp():
+    return zoo.MLP(16, 32)
+
+def tp_inputs():
+    return (torch.randn(2, 6, 128),)
+"""
+
+
+def _saved(model, x, path) -> dict:
+    torch._dynamo.reset()
+    c = torch.compile(model, backend="hca", options={"strict": True, "schedule": False}, dynamic=False)
+    c(x).sum().backward()
+    return hca.report(c).save_strategy(path)
+
+
+def _redigest(data: dict) -> None:
+    """The model section's digest made to match again (docs/strategy.md): an edit no digest catches."""
+    import hashlib
+    import json
+
+    body = {k: v for k, v in data["model"].items() if k != "digest"}
+    data["model"]["digest"] = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def test_verify_against_the_model_accepts_its_file_and_names_each_difference(fake_pg, tmp_path):
+    dp = lambda: hca.sharded({}, inputs=Shard(0), outputs=Shard(0))(zoo.DeepMLP(16, 4))
+    data = _saved(dp(), torch.randn(8, 16), tmp_path / "dp.json")
+    whole = (torch.randn(32, 16),)  # 4 ranks x 8 rows: the batch one device would see
+    result = hca.verify(dp(), data, whole)  # the control: the model the file was made for
+    assert result.ok and "DeepMLP (re-traced: 1 graph(s), 8 ops)" in str(result), result
+    assert hca.verify(zoo.DeepMLP(16, 4), tmp_path / "dp.json", whole).ok  # the plain module too
+
+    broken = copy.deepcopy(data)  # a parameter's shape edited where the file states it, its digest made to match
+    broken["model"]["parameters"]["layers.2.weight"]["shape"] = [16, 8]
+    broken["graphs"][0]["values"]["l_self_modules_layers_modules_2_parameters_weight_"]["shape"] = [16, 8]
+    _redigest(broken)
+    print("\nthe file alone:", [str(p) for p in problems(broken)])
+    found = hca.verify(dp(), broken, whole, raise_on_failure=False).problems
+    named = [p for p in found if p.rule == "model parameter shape"]
+    assert [(p.where, p.says) for p in named] == [("model: parameter 'layers.2.weight'", [16, 8])], found
+    assert "it should be [16, 16] (the re-traced model)" in str(named[0])
+    assert any(p.rule == "model value shape" and "layers_modules_2_parameters_weight" in p.where for p in found)
+
+    broken = copy.deepcopy(data)  # a value's logical shape edited
+    broken["graphs"][0]["values"]["linear_1"]["shape"] = [32, 15]
+    with pytest.raises(
+        hca.StrategyError, match=r"value 'linear_1': rule 'model value shape': the file says \[32, 15\]"
+    ):
+        hca.verify(dp(), broken, whole)
+
+    other = _saved(hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP(16, 32)), torch.randn(8, 16), tmp_path / "mlp.json")
+    assert hca.verify(other).ok  # sound on its own: made for another model
+    found = hca.verify(dp(), other, whole, raise_on_failure=False).problems
+    assert {"model parameters", "model inputs", "model value shape"} <= {p.rule for p in found}
+    assert any(p.where == "model: parameter 'fc1.weight'" and "no such parameter" in p.should for p in found)
+    assert any(p.where == "model: parameter 'layers.0.weight'" and p.says == "nothing" for p in found)
+
+    found = hca.verify(dp(), data, (torch.randn(8, 16),), raise_on_failure=False).problems  # one rank's piece
+    assert {p.rule for p in found} == {"model inputs", "model value shape"}
+    assert "not one rank's piece" in str(next(p for p in found if p.rule == "model inputs"))
+    assert hca.verify(dp(), data).model == "DeepMLP (parameters only: no example inputs to re-trace)"
+    with pytest.raises(hca.StrategyError, match="no strategy file given"):
+        hca.verify(dp())
+
+
+def test_command_line_verify_against_the_model(fake_pg, tmp_path, monkeypatch, capsys):
+    import subprocess
+    import sys
+
+    from torch_hca.__main__ import main
+
+    (tmp_path / "verify_factories.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _saved(hca.sharded(zoo.TP_BLOCK)(zoo.TransformerBlock(128, 4, 512)), torch.randn(2, 6, 128), tmp_path / "tp.json")
+    model, inputs = "verify_factories:tp_block", "verify_factories:tp_inputs"
+    assert main(["verify", str(tmp_path / "tp.json"), "--model", "verify_factories:mlp"]) == 1
+    assert "parameter 'attn.wq.weight': rule 'model parameters'" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["verify", str(tmp_path / "tp.json"), "--model", "verify_factories"])
+    assert "write MODULE:FACTORY" in capsys.readouterr().err
+    # A fresh process: no process group, so the command makes a fake one of the file's world and mesh.
+    out = subprocess.run(
+        [sys.executable, "-m", "torch_hca", "verify", str(tmp_path / "tp.json"), "--model", model, "--inputs", inputs],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert out.returncode == 0 and "verified" in out.stdout and "TransformerBlock (re-traced" in out.stdout, (
+        out.stdout + out.stderr
+    )

@@ -7,6 +7,7 @@ with the elapsed time, on stderr (`torch_hca.tools.progress`).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 
@@ -14,11 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "verify":
-        from torch_hca.verify import verify as verify_file
-
-        result = verify_file(args.strategy, raise_on_failure=False)
-        print(result)
-        return 0 if result.ok else 1
+        return _verify(parser, args)
     if args.command == "bench":
         return _bench(parser, args)
     if args.command == "calibrate":
@@ -52,7 +49,78 @@ def _parser() -> argparse.ArgumentParser:
         "alone: kinds, bytes, transposes, group order, Partial reduced (docs/strategy.md)",
     )
     verify.add_argument("strategy", help="path of the strategy file")
+    verify.add_argument(
+        "--model",
+        metavar="MODULE:FACTORY",
+        help="also check the file against the model FACTORY() returns (a plain or hca.sharded module; "
+        "without a process group, one fake of the file's world size and mesh is made first): its "
+        "parameters, and with --inputs every value's logical shape and dtype, re-traced",
+    )
+    verify.add_argument(
+        "--inputs",
+        metavar="MODULE:FACTORY",
+        help="with --model: FACTORY() returns the example inputs (a tensor or a tuple: the whole tensors "
+        "one device would see) the model is re-traced on",
+    )
     return parser
+
+
+def _verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`verify STRATEGY [--model M:F [--inputs M:F]]`: the file alone, or also against the model."""
+    from torch_hca.verify import verify as verify_file
+
+    if args.model is None:
+        if args.inputs is not None:
+            parser.error("--inputs goes with --model")
+        result = verify_file(args.strategy, raise_on_failure=False)
+    else:
+        _fake_world_for(args.strategy)
+        model = _factory(parser, args.model, "--model")()
+        inputs = _factory(parser, args.inputs, "--inputs")() if args.inputs is not None else None
+        result = verify_file(model, args.strategy, inputs, raise_on_failure=False)
+    print(result)
+    return 0 if result.ok else 1
+
+
+def _factory(parser: argparse.ArgumentParser, spec: str, flag: str):
+    """`module:name` (a dotted name inside the module allowed) as the callable it names."""
+    import importlib
+
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        parser.error(f"{flag} {spec!r}: write MODULE:FACTORY, e.g. {flag} mypkg.models:make")
+    try:
+        target = importlib.import_module(module_name)
+        for part in attribute.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as e:
+        parser.error(f"{flag} {spec!r}: {e} (is the module on PYTHONPATH?)")
+    if not callable(target):
+        parser.error(f"{flag} {spec!r} names a {type(target).__name__}, not a function to call")
+    return target
+
+
+def _fake_world_for(strategy: str) -> None:
+    """No process group yet: a fake one of the file's world size and its mesh, so that a factory
+    returning an hca.sharded module can build it (graph only: no collective runs in verify)."""
+    import json
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    try:
+        with open(strategy) as f:
+            mesh = json.load(f)["mesh"]
+        shape, names = tuple(mesh["shape"]), mesh.get("dim_names")
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # verify names what is wrong with the file
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torch_hca.runtime.mesh import init_mesh
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shape))
+    init_mesh(shape, tuple(names) if names else None, device_type="cpu")
 
 
 def _bench_arguments(bench: argparse.ArgumentParser) -> None:

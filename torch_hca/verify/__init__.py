@@ -6,6 +6,7 @@ docs/strategy.md ("What the verifier proves").
 
     result = hca.verify("strategy.json")       # StrategyError listing every problem, else:
     print(result)                              # "verified: 3 rules x 1 graph, 0 problems, 0.01 s"
+    hca.verify(model, "strategy.json", (x,))   # also against the model, re-traced on x (retrace.py)
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.nn as nn
+
 from torch_hca.errors import StrategyError
 
 from .collective_rules import collectives, groups, issued, owed
+from .retrace import Traced, against_model, parameters_of, trace
 from .rules import Graph, Problem, mesh_and_model, moves, parameters, partial_reduced, placements, structure
 
 __all__ = ["Problem", "Verification", "problems", "verify"]
@@ -36,6 +40,7 @@ class Verification:
     moves: int = 0
     collectives: int = 0
     seconds: float = 0.0
+    model: str | None = None  # what the file was compared against: the model, re-traced or not
 
     @property
     def ok(self) -> bool:
@@ -45,6 +50,7 @@ class Verification:
         head = (
             f"{self.source}: {'verified' if self.ok else 'REJECTED'}: {self.graphs} graph(s), {self.moves} moves, "
             f"{self.collectives} collectives, {len(self.problems)} problem(s), {self.seconds:.3f} s"
+            + (f"; against {self.model}" if self.model else "")
         )
         return "\n".join([head, *(f"  {p}" for p in self.problems)])
 
@@ -88,16 +94,29 @@ def problems(data: Any) -> list[Problem]:
     return found
 
 
-def verify(strategy: str | os.PathLike | dict, *, raise_on_failure: bool = True) -> Verification:
-    """Check a strategy file (a path, or its content as a dict) by the spmd algebra alone.
+def verify(
+    model_or_strategy: nn.Module | str | os.PathLike | dict,
+    strategy: str | os.PathLike | dict | None = None,
+    example_inputs: Any = None,
+    *,
+    raise_on_failure: bool = True,
+) -> Verification:
+    """Check a strategy file (a path, or its content as a dict) by the spmd algebra alone:
+    ``verify(strategy)``; and against a model: ``verify(model, strategy, example_inputs)``.
 
-    Returns a `Verification`; with ``raise_on_failure`` (default), a file with a problem is a
-    `StrategyError` whose message lists each one: the value, the rule, what the file says and
-    what it should say.
+    With a model, its parameters (names, shapes, dtypes, a sharded module's storage) must be the
+    file's; with example inputs (the whole tensors one device would see), the model's forward is
+    re-traced with torch alone and every value the file lists must have the trace's logical shape
+    and dtype (`torch_hca.verify.retrace`). Returns a `Verification`; with ``raise_on_failure``
+    (default), a file with a problem is a `StrategyError` whose message lists each one: the value,
+    the rule, what the file says and what it should say.
     """
     start = time.perf_counter()
-    data, name = _read(strategy)
+    model = _model_form(model_or_strategy, strategy, example_inputs)
+    data, name = _read(strategy if model is not None else model_or_strategy)
     result = Verification(name, problems(data))
+    if model is not None and not structure(data):
+        result.problems += _against(model, data, example_inputs, result)
     if isinstance(data, dict) and isinstance(data.get("graphs"), list):
         result.graphs = len(data["graphs"])
         result.moves = sum(len(g.get("moves", [])) for g in data["graphs"] if isinstance(g, dict))
@@ -108,3 +127,31 @@ def verify(strategy: str | os.PathLike | dict, *, raise_on_failure: bool = True)
             f"hca.verify: {len(result.problems)} problem(s) in {name}:\n" + "\n".join(f"  {p}" for p in result.problems)
         )
     return result
+
+
+def _model_form(first: Any, strategy: Any, example_inputs: Any) -> nn.Module | None:
+    """The model of ``verify(model, strategy, example_inputs)``, or None for ``verify(strategy)``."""
+    if isinstance(first, nn.Module):
+        if strategy is None:
+            raise StrategyError(
+                f"hca.verify({type(first).__name__}, ...): no strategy file given; write "
+                "hca.verify(model, 'strategy.json', example_inputs)"
+            )
+        return first
+    if strategy is not None or example_inputs is not None:
+        raise StrategyError(
+            f"hca.verify: the first argument is {type(first).__name__}, not a model, and a strategy "
+            "follows it; write hca.verify(strategy) or hca.verify(model, strategy, example_inputs)"
+        )
+    return None
+
+
+def _against(model: nn.Module, data: dict, example_inputs: Any, result: Verification) -> list[Problem]:
+    """The file against the model: re-traced on the example inputs, or its parameters alone."""
+    name = type(getattr(model, "_orig_mod", model)).__name__
+    if example_inputs is None:
+        result.model = f"{name} (parameters only: no example inputs to re-trace)"
+        return against_model(data, Traced(parameters=parameters_of(model)), graphs=False)
+    traced = trace(model, example_inputs)
+    result.model = f"{name} (re-traced: {len(traced.ops)} graph(s), {sum(map(len, traced.ops))} ops)"
+    return against_model(data, traced)

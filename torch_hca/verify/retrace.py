@@ -1,0 +1,248 @@
+"""The strategy file against the model: the logical program re-traced with torch alone, and compared.
+
+`trace` runs the model's own forward (a sharded module's, unwrapped: the single-device program)
+under Dynamo with a backend that only keeps the graphs, on meta tensors of the parameters'
+logical (global) shapes and of the example inputs: no value is computed, no collective runs, and
+nothing of the compiler that wrote the file is imported. `against_model` names every difference
+between the file and that trace: the parameters (names, shapes, dtypes, a sharded module's storage),
+the inputs, and each value the file lists (logical shape and dtype, paired with the trace's ops in
+program order). What it cannot recompute, and why, is in docs/strategy.md ("Against the model").
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from torch_hca.errors import StrategyError
+from torch_hca.spmd.placements import dtype_str, layout_str, layout_texts
+
+from .rules import Problem
+
+# Ops the compiler inserts into the program it lays out (inputs made DTensors, gradient reductions
+# marked, moves, outputs): they have no counterpart in the user's program, so they are not paired.
+_INSERTED = "torch_hca.compiler.dtensor_ops."
+_LISTED = 10  # value differences named per graph; the rest are counted
+
+
+@dataclass
+class Traced:
+    """What the re-trace found: per graph, the tensor ops in program order as (name, shape, dtype),
+    the inputs' (shape, dtype), and the parameters each graph reads; and every parameter of the model."""
+
+    ops: list[list[tuple[str, list[int], str]]] = field(default_factory=list)
+    inputs: list[list[tuple[list[int], str]]] = field(default_factory=list)
+    read: list[set[str]] = field(default_factory=list)
+    parameters: dict[str, dict] = field(default_factory=dict)
+    aliases: dict[str, set[str]] = field(default_factory=dict)  # a tied parameter's names
+
+
+def _user_forward(model: nn.Module):
+    """The model's own forward: a sharded module's forward is hca's wrapper around it (functools.wraps)."""
+    forward = type(model).forward
+    return forward.__wrapped__ if getattr(forward, "_hca_wrapped", False) else forward
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of `t`'s logical shape and dtype on the meta device (a DTensor's global shape)."""
+    return torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+
+
+def parameters_of(model: nn.Module) -> dict[str, dict]:
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        placements = getattr(p, "placements", None)  # a DTensor's storage (hca.sharded), else None
+        out[name] = {
+            "shape": list(p.shape),
+            "dtype": dtype_str(p.dtype),
+            "placements": layout_texts(layout_str(placements)) if placements is not None else None,
+        }
+    return out
+
+
+def trace(model: nn.Module, example_inputs: Any) -> Traced:
+    """The model's logical program on `example_inputs` (the whole tensors one device would see)."""
+    model = getattr(model, "_orig_mod", model)  # a torch.compile'd module: the module itself
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    inputs = tuple(_meta(x) if isinstance(x, torch.Tensor) else x for x in example_inputs)
+    metas: dict[int, torch.Tensor] = {}  # one meta tensor per parameter: tied ones stay tied
+    tensors = {
+        f"model.{n}": metas.setdefault(id(p), _meta(p)) for n, p in model.named_parameters(remove_duplicate=False)
+    }
+    names: dict[int, set[str]] = {}
+    for n, t in tensors.items():
+        names.setdefault(id(t), set()).add(n.removeprefix("model."))
+    tensors.update({f"model.{n}": _meta(b) for n, b in model.named_buffers()})
+    forward, graphs = _user_forward(model), []
+
+    class Logical(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, *args):
+            return forward(self.model, *args)
+
+    def keep(gm: fx.GraphModule, _inputs: list) -> Any:
+        # Which parameter each placeholder is, read now: Dynamo erases the examples after compiling.
+        read = {}
+        for node in gm.graph.find_nodes(op="placeholder"):
+            grapharg = node.meta.get("grapharg")
+            aliases = names.get(id(getattr(grapharg, "example", None))) if grapharg is not None else None
+            if aliases:
+                read[node.name] = min(aliases)
+        graphs.append((gm, read))
+        return gm.forward
+
+    logical = Logical()
+
+    def run(*args):
+        return torch.func.functional_call(logical, tensors, args)
+
+    # A fresh code object: Dynamo's cache of this function starts empty on every call (no
+    # recompilation limit reached by many verifications, no cache of the user's touched).
+    fresh = types.FunctionType(run.__code__.replace(), run.__globals__, "verify_retrace", None, run.__closure__)
+    try:
+        torch.compile(fresh, backend=keep, dynamic=False)(*inputs)
+    except Exception as e:
+        raise StrategyError(
+            f"hca.verify: re-tracing {type(model).__name__} on the example inputs failed "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else '?'}); give the whole "
+            "inputs one device would see (not one rank's piece), as a tuple"
+        ) from e
+    result = Traced(parameters=parameters_of(model), aliases={n: a for a in names.values() for n in a})
+    for gm, parameter_of in graphs:
+        ops, ins = [], []
+        for node in gm.graph.nodes:
+            v = node.meta.get("example_value")
+            if not isinstance(v, torch.Tensor) or node.name in parameter_of:
+                continue
+            if node.op == "placeholder":
+                ins.append((list(v.shape), dtype_str(v.dtype)))
+            elif node.op in ("call_function", "call_method", "call_module"):
+                ops.append((node.name, list(v.shape), dtype_str(v.dtype)))
+        result.ops.append(ops)
+        result.inputs.append(ins)
+        result.read.append(set(parameter_of.values()))
+    return result
+
+
+# ----------------------------------------------------------------------------- the comparison
+
+_TRACE = "(the re-traced model)"
+
+
+def _parameter_problems(data: dict, traced: Traced) -> Iterator[Problem]:
+    """The file's model section against the model's parameters, each difference named."""
+    mine = traced.parameters
+    for name, said in sorted(data["model"]["parameters"].items()):
+        here = mine.get(name)
+        where = f"model: parameter {name!r}"
+        if here is None:
+            yield Problem(
+                where, "model parameters", f"{said.get('shape')} {said.get('dtype')}", f"no such parameter {_TRACE}"
+            )
+            continue
+        for key in ("shape", "dtype", "placements"):
+            if key == "placements" and here[key] is None:
+                continue  # a plain module: its storage is the plan's, which it does not carry
+            if said.get(key) != here[key]:
+                yield Problem(where, f"model parameter {key}", said.get(key), f"{here[key]} {_TRACE}")
+    file_names = set(data["model"]["parameters"])
+    for name in sorted(set().union(*traced.read) - file_names if traced.read else set()):
+        if not traced.aliases.get(name, {name}) & file_names:
+            here = mine[name]
+            yield Problem(
+                f"model: parameter {name!r}", "model parameters", "nothing", f"{here['shape']} {here['dtype']} {_TRACE}"
+            )
+
+
+def _value_problems(i: int, graph: dict, traced: Traced) -> list[Problem]:
+    """Graph i's values against the trace's graph i: the parameters it reads, its inputs, its ops."""
+    where, found = f"graph {i}", []
+    values = graph["values"]
+    mine = traced.parameters
+    inputs = traced.inputs[i]
+    for name, v in values.items():
+        if v["kind"] == "parameter":
+            here = mine.get(v.get("parameter"))
+            if here is not None and (v["shape"], v["dtype"]) != (here["shape"], here["dtype"]):
+                found.append(
+                    Problem(
+                        f"{where}: value {name!r} (parameter {v.get('parameter')!r})",
+                        "model value shape",
+                        f"{v['shape']} {v['dtype']}",
+                        f"{here['shape']} {here['dtype']} {_TRACE}",
+                    )
+                )
+        elif v["kind"] == "input" or v["op"] == _INSERTED + "from_local":
+            if (v["shape"], v["dtype"]) not in [(s, d) for s, d in inputs]:
+                found.append(
+                    Problem(
+                        f"{where}: input {name!r}",
+                        "model inputs",
+                        f"{v['shape']} {v['dtype']}",
+                        f"one of {[f'{s} {d}' for s, d in inputs]} {_TRACE}; the example inputs are the "
+                        "whole tensors one device would see, not one rank's piece",
+                    )
+                )
+    return found + _op_problems(where, values, traced.ops[i])
+
+
+def _op_problems(where: str, values: dict, ops: list[tuple[str, list[int], str]]) -> list[Problem]:
+    """The file's ops against the trace's (the compiler's own ops left out). An op is paired with the
+    trace's op of its name (Dynamo names a node after the user's variable, in both traces); one the
+    trace has no name for (the compiler renamed it) with an unpaired trace op of its shape and dtype.
+    The file's values are a dict a JSON file may hold sorted: no pairing relies on their order."""
+    theirs = {n: (v["shape"], v["dtype"]) for n, v in values.items() if v["kind"] == "op" and not _inserted(v)}
+    by_name = {name: (shape, dtype) for name, shape, dtype in ops}
+    found, unpaired = [], []
+    for name, (shape, dtype) in sorted(theirs.items()):
+        here = by_name.pop(name, None)
+        if here is None:
+            unpaired.append((name, shape, dtype))
+        elif here != (shape, dtype):
+            should = f"{here[0]} {here[1]} (op {name!r} of the re-traced model)"
+            found.append(Problem(f"{where}: value {name!r}", "model value shape", f"{shape} {dtype}", should))
+    left = [sig for sig in by_name.values()]  # the trace's ops no name paired
+    for name, shape, dtype in unpaired:
+        if (shape, dtype) in left:
+            left.remove((shape, dtype))
+            continue
+        should = f"no op of that shape and dtype {_TRACE} (unpaired there: {sorted({f'{s} {d}' for s, d in left})[:8]})"
+        found.append(Problem(f"{where}: value {name!r}", "model value shape", f"{shape} {dtype}", should))
+    if len(found) > _LISTED:
+        more = len(found) - _LISTED
+        found = found[:_LISTED] + [Problem(where, "model value shape", f"{more} more values", "(not listed)")]
+    return found
+
+
+def _inserted(v: dict) -> bool:
+    return v["op"].startswith(_INSERTED)
+
+
+def against_model(data: dict, traced: Traced, graphs: bool = True) -> list[Problem]:
+    """Every difference between a (structurally sound) strategy file and the re-traced model
+    (``graphs`` False: its parameters only)."""
+    found = list(_parameter_problems(data, traced))
+    if not graphs:
+        return found
+    entries = data["graphs"]
+    if len(entries) != len(traced.ops):
+        found.append(
+            Problem(
+                "model",
+                "model graphs",
+                f"{len(entries)} graph(s)",
+                f"{len(traced.ops)} graph(s) {_TRACE}: another model or another torch's graph breaks",
+            )
+        )
+    for i, graph in enumerate(entries[: len(traced.ops)]):
+        found += _value_problems(i, graph, traced)
+    return found
