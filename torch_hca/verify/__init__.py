@@ -153,5 +153,10 @@ def _against(model: nn.Module, data: dict, example_inputs: Any, result: Verifica
         result.model = f"{name} (parameters only: no example inputs to re-trace)"
         return against_model(data, Traced(parameters=parameters_of(model)), graphs=False)
     traced = trace(model, example_inputs)
-    result.model = f"{name} (re-traced: {len(traced.ops)} graph(s), {sum(map(len, traced.ops))} ops)"
-    return against_model(data, traced)
+    found = against_model(data, traced)
+    n = traced.compared
+    result.model = (
+        f"{name} (re-traced: {len(traced.ops)} graph(s), {sum(map(len, traced.ops))} ops; the file's op values "
+        f"paired {n['by name']} by name, {n['by shape']} by shape, {n['unpaired']} unpaired)"
+    )
+    return found

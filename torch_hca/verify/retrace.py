@@ -40,6 +40,8 @@ class Traced:
     read: list[set[str]] = field(default_factory=list)
     parameters: dict[str, dict] = field(default_factory=dict)
     aliases: dict[str, set[str]] = field(default_factory=dict)  # a tied parameter's names
+    # What `against_model` compared: file values paired with a trace op by name, by shape (renamed), none.
+    compared: dict[str, int] = field(default_factory=lambda: {"by name": 0, "by shape": 0, "unpaired": 0})
 
 
 def _user_forward(model: nn.Module):
@@ -192,10 +194,10 @@ def _value_problems(i: int, graph: dict, traced: Traced) -> list[Problem]:
                         "whole tensors one device would see, not one rank's piece",
                     )
                 )
-    return found + _op_problems(where, values, traced.ops[i])
+    return found + _op_problems(where, values, traced.ops[i], traced.compared)
 
 
-def _op_problems(where: str, values: dict, ops: list[tuple[str, list[int], str]]) -> list[Problem]:
+def _op_problems(where: str, values: dict, ops: list[tuple[str, list[int], str]], compared: dict) -> list[Problem]:
     """The file's ops against the trace's (the compiler's own ops left out). An op is paired with the
     trace's op of its name (Dynamo names a node after the user's variable, in both traces); one the
     trace has no name for (the compiler renamed it) with an unpaired trace op of its shape and dtype.
@@ -207,14 +209,18 @@ def _op_problems(where: str, values: dict, ops: list[tuple[str, list[int], str]]
         here = by_name.pop(name, None)
         if here is None:
             unpaired.append((name, shape, dtype))
-        elif here != (shape, dtype):
+            continue
+        compared["by name"] += 1
+        if here != (shape, dtype):
             should = f"{here[0]} {here[1]} (op {name!r} of the re-traced model)"
             found.append(Problem(f"{where}: value {name!r}", "model value shape", f"{shape} {dtype}", should))
     left = [sig for sig in by_name.values()]  # the trace's ops no name paired
     for name, shape, dtype in unpaired:
         if (shape, dtype) in left:
             left.remove((shape, dtype))
+            compared["by shape"] += 1
             continue
+        compared["unpaired"] += 1
         should = f"no op of that shape and dtype {_TRACE} (unpaired there: {sorted({f'{s} {d}' for s, d in left})[:8]})"
         found.append(Problem(f"{where}: value {name!r}", "model value shape", f"{shape} {dtype}", should))
     if len(found) > _LISTED:
