@@ -141,3 +141,30 @@ def write_pid_and_train(folder: str) -> None:
         t = torch.ones(1000)
         dist.all_reduce(t)
         time.sleep(0.05)
+
+
+# --------------------------------------------- evaluation on one rank only
+
+
+def evaluate_on_rank_zero_only() -> tuple[str, str, float]:
+    """`if rank == 0: evaluate(model)` (issue 29): rank 0 compiles an evaluation graph (no_grad) while
+    rank 1 trains on. (error type, message, seconds until the error) on each rank."""
+    from torch_hca.tools import zoo
+
+    hca.init_mesh()
+    torch.manual_seed(0)
+    model = hca.sharded({}, inputs=hca.Shard(0), outputs=hca.Shard(0))(zoo.MLP())
+    compiled = torch.compile(model, backend="hca")
+    x = torch.randn(4, 16)
+    compiled(x).sum().backward()
+    start = time.monotonic()
+    try:
+        if dist.get_rank() == 0:
+            model.eval()
+            with torch.no_grad():
+                compiled(x)
+        compiled(x).sum().backward()
+    except Exception as e:
+        e = getattr(e, "inner_exception", e)  # Dynamo's BackendCompilerFailed
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "none", "", time.monotonic() - start

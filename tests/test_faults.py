@@ -158,6 +158,20 @@ def test_a_call_on_one_rank_only_is_a_check_error_after_the_timeout(short_world)
     assert TIMEOUT_S <= waited < 2 * TIMEOUT_S
 
 
+def test_evaluating_on_one_rank_only_is_named_not_a_timeout(short_world):
+    """Rank 0 evaluates (a no_grad graph, compiling) while rank 1 trains: each waits at another check
+    for the other. Both name the mismatch, not a late rank after the timeout (TIMEOUT_S bounds a regression)."""
+    try:
+        results = short_world.run(fault_cases.evaluate_on_rank_zero_only)
+    finally:
+        short_world.close()  # the ranks' check rounds no longer line up
+    for rank, (kind, message, _) in enumerate(results):
+        assert kind == "CheckError", (rank, kind, message)
+        assert f"rank {rank} is calling a different graph from rank {1 - rank}" in message, message
+        assert "(no_grad)" in message and "(training)" in message, message
+        assert "Evaluate on every rank" in message and "did not get there" not in message, message
+
+
 # --------------------------------------------------------------- a killed rank
 
 

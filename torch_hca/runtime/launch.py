@@ -129,7 +129,8 @@ def _worker_main(
     faulthandler.register(signal.SIGUSR1)  # the parent asks for stacks before killing a stuck rank
     torch.set_num_threads(1)  # ranks share the machine's cores
     keep_freed_memory()
-    mesh.set_timeout(timeout_s)  # the store checks in this rank wait as long as the process group
+    # the store checks in this rank wait as long as the process group
+    mesh.set_timeout(timeout_s, "hca.launch(timeout_s=...) (hca.run, hca.LocalWorld: timeout_s=...)")
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(LOOPBACK, port, world_size, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)

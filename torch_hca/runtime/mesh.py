@@ -21,6 +21,7 @@ DEFAULT_TIMEOUT_S = 300.0
 # How long a rank waits for its peers (process group, store checks, the launcher's
 # start-up). Set by init_mesh(timeout=...) and, in ranks hca.launch starts, by the launcher.
 _timeout_s = DEFAULT_TIMEOUT_S
+_timeout_setting = "hca.init_mesh(timeout=...)"  # where a user raises it: named in timeout messages
 
 # c10d backend string for each kind of job. A CUDA job also keeps gloo for the
 # CPU tensors that every job has (object collectives, barriers, shape checks).
@@ -49,10 +50,17 @@ def check_timeout(value, where: str) -> float:
     )
 
 
-def set_timeout(seconds: float) -> None:
-    """Make `seconds` this process's peer timeout (what `timeout_s()` returns)."""
-    global _timeout_s
+def set_timeout(seconds: float, setting: str = "hca.init_mesh(timeout=...)") -> None:
+    """Make `seconds` this process's peer timeout (what `timeout_s()` returns); `setting` names where
+    the user sets it (`timeout_setting()`)."""
+    global _timeout_s, _timeout_setting
     _timeout_s = check_timeout(seconds, "init_mesh(timeout=...)")
+    _timeout_setting = setting
+
+
+def timeout_setting() -> str:
+    """The setting timeout messages name: init_mesh's, or the launcher's in ranks it started."""
+    return _timeout_setting
 
 
 def _device_type(device_type) -> str:
