@@ -135,6 +135,8 @@ def _transposes(fw: fx.Node, origin: Origin, dim: int | None) -> set[Kind]:
 
 def _unpaired_rule(kind: Kind, origin: Origin, dim: int | None) -> str:
     steps = origin.transition(dim) if dim is not None and not origin.local_view else []
+    if kind is Kind.ALL_REDUCE and any(dst == "P" for _, dst in steps):
+        return f"cotangent reduction for {origin.describe(dim)}: the partial cotangent of its partial result, summed"
     if kind is Kind.ALL_REDUCE and any(src == "R" for src, _ in steps):
         return (
             f"cotangent reduction for {origin.describe(dim)}: the partial cotangents of a value it reads, "

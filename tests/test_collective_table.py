@@ -261,10 +261,11 @@ MOVES = {
     ("R", "P"): (None, {_AR}),
     ("R", "S0"): (None, {_AG, _AR}),  # local chunk; its transpose is zero-embed + sum: all_gather
     ("P", "R"): (_AR, {_AR}),  # the cotangent may arrive replicated (nothing) or partial
-    ("P", "P"): (None, set()),
+    ("P", "P"): (None, {_AR}),  # a partial result's cotangent may arrive partial: summed
     ("P", "S0"): (_RS, {_AG}),
     ("S0", "R"): (_AG, {_RS}),  # reduce_scatter when the cotangent arrives partial
-    ("S0", "P"): (_AG, set()),  # P's cotangent is replicated: a local chunk back
+    # P's cotangent is replicated (a local chunk back) or arrives partial: summed (whole or in pieces).
+    ("S0", "P"): (_AG, {_AR, _RS}),
     ("S0", "S0"): (None, set()),
     ("S0", "S1"): (_A2A, {_A2A, _AG}),  # gloo moves all_to_all as all_gather + keep a piece
 }

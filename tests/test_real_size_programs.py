@@ -7,6 +7,8 @@ replicates a layer, or gathers the batch again, fails here and not only in a slo
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -58,7 +60,8 @@ def test_gpt2_small_megatron_program(fake_pg_2_full_size):
         in line
     )
     assert "gather of weights" not in line  # every sharded weight is read as stored
-    assert "91% of the compute split over 2 ranks" in line  # the rest: embeddings, head, norms
+    # The rest: norms and the embedding lookups (a row gather, priced by the rows it reads, not the table).
+    assert "99% of the compute split over 2 ranks" in line
 
 
 # GPT-2 small's width, heads and tied 50,257-token vocabulary with 2 of its 12 blocks: every block
@@ -67,9 +70,9 @@ def test_gpt2_small_megatron_program(fake_pg_2_full_size):
 N_LAYER = 2
 
 
-@pytest.fixture
-def fake_pg_2_full_size(request):
-    """GPT-2 small's blocks (`N_LAYER` of them) on Megatron storage (`bench_real.MEGATRON`), one row of 64 tokens."""
+@contextlib.contextmanager
+def _fake_world_2():
+    """A fake process group of world 2 and its mesh, for one compile."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -81,8 +84,41 @@ def fake_pg_2_full_size(request):
     try:
         hca.init_mesh()
         torch.manual_seed(0)
-        model = hca.sharded(MEGATRON["gpt2_small"], inputs=Replicate(), outputs=Replicate())(gpt2_small(layers=N_LAYER))
-        yield _compiled(model, torch.randint(0, 50257, (1, 64)))
+        yield
     finally:
         dist.destroy_process_group()
         reset_current_mesh()
+
+
+@pytest.fixture
+def fake_pg_2_full_size():
+    """GPT-2 small's blocks (`N_LAYER` of them) on Megatron storage (`bench_real.MEGATRON`), one row of 64 tokens."""
+    with _fake_world_2():
+        model = hca.sharded(MEGATRON["gpt2_small"], inputs=Replicate(), outputs=Replicate())(gpt2_small(layers=N_LAYER))
+        yield _compiled(model, torch.randint(0, 50257, (1, 64)))
+
+
+def test_llama_megatron_program_is_vocabulary_parallel(fake_pg_2_llama):
+    """The 125M Llama's blocks (2 of 12) with its 32,000-row embedding and head cut by rows: the
+    lookup sums its 64 looked-up rows (196 KB) instead of gathering the 98 MB table, the head runs
+    vocabulary-split and gathers only its logits for the replicated output."""
+    rep, table_bytes = fake_pg_2_llama
+    forward = [c for c in rep.collectives if c.direction == "forward"]
+    # Per block 2 all_reduce (attention's and the MLP's row-parallel sums), 1 for the lookup, 1 logits gather.
+    assert rep.collective_counts("forward") == {"all_reduce": 2 * N_LAYER + 1, "all_gather": 1}
+    assert max(c.bytes for c in rep.collectives) < table_bytes / 4  # no table gathered, either way
+    assert [c.bytes for c in forward if c.kind == "all_gather"] == [64 * 32000 * 4]
+    assert "stored 16 of 21 parameters sharded" in rep.parallelism()
+
+
+@pytest.fixture
+def fake_pg_2_llama():
+    """`bench_real.llama_100m` with `N_LAYER` blocks on Megatron storage, one row of 64 tokens."""
+    from torch_hca.tools.bench_real import llama_100m
+
+    with _fake_world_2():
+        module = llama_100m()
+        module.hf.model.layers = module.hf.model.layers[:N_LAYER]
+        table_bytes = module.hf.model.embed_tokens.weight.numel() * 4
+        model = hca.sharded(MEGATRON["llama_100m"], inputs=Replicate(), outputs=Replicate())(module)
+        yield _compiled(model, torch.randint(0, 32000, (1, 64))), table_bytes

@@ -157,22 +157,22 @@ def test_zoo_parity(worlds, model_name, plan, world_size):
 
 
 def test_test_transformer_under_dtensors_own_layout(worlds):
-    """``layout="dtensor"`` on torch's test Transformer: DTensor masks the vocabulary-sharded
-    embeddings' indices inside the op (the only moves left implicit), and the layout pass,
-    which runs each op twice, must not use up or clash with those masks (it once raised on
-    the embedding, and Dynamo turned that into a graph break)."""
+    """``layout="dtensor"`` on torch's test Transformer: its vocabulary-sharded embeddings read by
+    replicated positions and ids. DTensor's own rule masks the ids inside the op (a `_MaskPartial`,
+    a move no explicit redistribute can stand for, which the layout pass, running each op twice,
+    once used up and Dynamo turned into a graph break); the lift pass gives the lookup our own
+    vocabulary-parallel rule (torch_hca/compiler/embedding.py), a plain partial sum: no implicit
+    moves are left."""
     options = {"check": True, "layout": "dtensor"}
     results = worlds(2).run(
         zoo_cases.zoo_parity, "test_transformer", "megatron", STEPS, "sgd", options, timeout_s=RUN_TIMEOUT_S
     )
     _assert_parity("test_transformer", results)
-    implicit = results[0]["implicit"]
-    assert len(implicit) == 2 and all("aten.embedding.default argument 1: (R) -> (P(sum))" in m for m in implicit), (
-        implicit
-    )
-    # DTensor's own choices in forward: the two masked embeddings summed, one all-reduce per
-    # attention and per MLP, and the vocabulary-sharded logits gathered.
-    assert results[0]["forward"] == {"all_reduce": 2 + 2 * model_zoo.TT_LAYERS, "all_gather": 1}
+    assert results[0]["implicit"] == []
+    # DTensor's own choices in forward: the two lookups' partial sums added and summed once (two,
+    # with DTensor's masked rule), one all-reduce per attention and per MLP, and the
+    # vocabulary-sharded logits gathered.
+    assert results[0]["forward"] == {"all_reduce": 1 + 2 * model_zoo.TT_LAYERS, "all_gather": 1}
 
 
 def _assert_parity(model_name: str, results: list[dict]) -> None:

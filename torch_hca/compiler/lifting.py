@@ -14,7 +14,8 @@ Dynamo traced the sharded module over plain tensors of global shape
 * a plain tensor made in the graph (``arange``, a mask, ``torch.ones``, a
   buffer) stays plain while only plain tensors read it, and becomes a
   replicated DTensor where it meets a DTensor: every rank makes the same one;
-* ``scaled_dot_product_attention`` becomes ``hca::attention`` (its own rule);
+* ``scaled_dot_product_attention`` becomes ``hca::attention`` (its own rule), ``F.embedding``
+  `torch_hca.compiler.embedding.embedding` (a vocabulary-parallel read of a row-split table);
 * ``F.dropout`` becomes `dtensor_ops.dropout`, which draws what one device
   draws; any other op that draws random numbers from a DTensor is refused
   (`torch_hca.compiler.randomness`), and the ops that draw are recorded;
@@ -44,6 +45,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._pytree import tree_leaves
 
 from torch_hca.compiler import attention
+from torch_hca.compiler.embedding import embedding
 from torch_hca.compiler import dtensor_ops
 from torch_hca.compiler.layout.probes import call_node
 from torch_hca.compiler import randomness
@@ -53,6 +55,7 @@ from torch_hca.errors import UnsupportedError
 from torch_hca.compiler.logical import ENTER, LEAVE, decode, mesh_of
 
 SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+LIFTED_OPS = {**dict.fromkeys(SDPA, attention.sdpa), F.embedding: embedding}  # ops given our own rule
 PARTITIONS = {"split", "chunk", "unbind", "tensor_split", "split_with_sizes"}
 INPLACE_OPERATORS = {
     operator.iadd: operator.add,
@@ -146,8 +149,7 @@ class Lifted:
         for src in node.all_input_nodes:
             if isinstance(self.env.get(src), torch.Tensor) and not isinstance(self.env[src], DTensor):
                 self._as_dtensor(node, src)
-        if node.target in SDPA:
-            node.target = attention.sdpa
+        node.target = LIFTED_OPS.get(node.target, node.target)
         if node.target in randomness.DROPOUT:
             self._dropout(node)
             return

@@ -67,10 +67,9 @@ REAL_CONTESTANTS = (
 )
 ROWS, SEQ, TINY_SEQ = (4,), 64, 16
 
-# Megatron storage, as `MEGATRON` in `tests/model_zoo.py`: GPT-2's Conv1D weights are [in, out], so
-# column-parallel c_attn / c_fc are Shard(1) (bias Shard(0)), row-parallel c_proj Shard(0);
-# Llama's nn.Linear q, k, v, gate, up are Shard(0), o and down Shard(1). Embeddings, norms and
-# the heads stay replicated.
+# Megatron storage: GPT-2's Conv1D weights are [in, out], so column-parallel c_attn / c_fc are Shard(1)
+# (bias Shard(0)), row-parallel c_proj Shard(0); Llama's q, k, v, gate, up Shard(0), o, down Shard(1), its
+# embedding and head vocabulary-parallel (Shard(0); GPT-2's 50,257 rows do not divide by 2). Norms replicated.
 MEGATRON = {
     "gpt2_small": {
         "hf.transformer.h.*.attn.c_attn.weight": Shard(1),
@@ -86,6 +85,8 @@ MEGATRON = {
         "hf.model.layers.*.mlp.gate_proj.weight": Shard(0),
         "hf.model.layers.*.mlp.up_proj.weight": Shard(0),
         "hf.model.layers.*.mlp.down_proj.weight": Shard(1),
+        "hf.model.embed_tokens.weight": Shard(0),  # vocabulary-parallel
+        "hf.lm_head.weight": Shard(0),
     },
 }
 # parallelize_module's plan per block (module names under the block), as torchtitan writes it.

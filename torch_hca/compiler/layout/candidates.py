@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from torch_hca.compiler import attention, dtensor_ops
+from torch_hca.compiler.embedding import embedding
 from torch_hca.spmd.cost_model import CostModel, smallest_matmul_dim
 from torch_hca.spmd.collective_nodes import nbytes
 from torch_hca.spmd.op_families import TORCH_MATMULS, TORCH_VIEWS, torch_flops
@@ -370,6 +371,8 @@ def local_work(
     local_out = local_shape(out_value.shape, out, mesh_shape)
     # The lifted attention (`attention.sdpa`) is torch's scaled_dot_product_attention to the cost model.
     target = F.scaled_dot_product_attention if target is attention.sdpa else target
+    if target in (F.embedding, embedding):  # a row gather touches the rows it looks up, not the table
+        local_in = local_in[:1]
     flops = torch_flops(target, [tuple(s) for s in local_in], math.prod(local_out))
     touched = sum(math.prod(s) * v.element_size() for s, v in zip(local_in, inputs))
     return flops, touched + math.prod(local_out) * out_value.element_size()
