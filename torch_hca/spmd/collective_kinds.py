@@ -420,11 +420,11 @@ def backward_kinds(src: str, dst: str) -> frozenset[Kind]:
 
     The backward moves the cotangent from how it arrives (`dst`'s cotangent,
     partial or not) to `src`'s cotangent; a replicated source also owes the
-    sum of a partial cotangent (the cotangent reduction, P -> R). So does a partial result: a
-    P -> R move hands its partial cotangent on as it came (DTensor keeps P -> P in backward), and
-    each summand's cotangent is the whole (Megatron's row-parallel output under a residual stream
-    whose readers are column-parallel). Gloo has no all_to_all: DTensor moves S(a) -> S(b) there
-    as an all_gather and keeps its piece.
+    sum of a partial cotangent (the cotangent reduction, P -> R). So does a move into P
+    (S(d) -> P, P -> P): its cotangent may arrive partial, as DTensor keeps P -> P in the
+    backward, and each summand's cotangent is the whole, so it is summed there (a vocabulary-
+    parallel embedding's partial rows under a residual stream whose readers are column-parallel).
+    Gloo has no all_to_all: DTensor moves S(a) -> S(b) there as an all_gather and keeps its piece.
     """
     arrives = [cotangent_letter(dst, varying) for varying in (False, True)] + (["P"] if dst == "P" else [])
     kinds = {move_kind(c, cotangent_letter(src)) for c in arrives}
