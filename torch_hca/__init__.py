@@ -31,6 +31,16 @@ from torch_hca.verify import verify
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """``hca.Trainer`` (a ``transformers.Trainer`` subclass) is imported on first use: transformers is optional."""
+    if name == "Trainer":
+        from torch_hca.api.trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module 'torch_hca' has no attribute {name!r}")
+
+
 __all__ = [
     "CheckError",
     "CollectiveError",

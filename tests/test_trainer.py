@@ -1,0 +1,50 @@
+"""`hca.Trainer` (torch_hca/api/trainer.py): transformers.Trainer on a sharded model, as one device trains it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import trainer_cases  # noqa: E402
+
+TOL = 1e-5
+
+
+def test_three_data_parallel_steps_match_one_device(worlds):
+    """Trainer's dataloader gives each rank its rows; the plan's data parallelism (no DDP) makes
+    the step one device's on the global batch: parameters, logged losses, the checkpoint and
+    evaluate()'s loss."""
+    results = worlds(2).run(trainer_cases.train_like_one_device, {})
+    r0, r1 = results
+    assert r0["is_subclass"] and r0["wrapped"] == "GPT2LMHeadModel", r0  # not DistributedDataParallel
+    assert r0["global_batches"] == r1["global_batches"], (r0, r1)
+    rows0, rows1 = (sum(r["rows"], []) for r in results)
+    assert len(set(rows0 + rows1)) == 2 * len(rows0) == 2 * trainer_cases.STEPS * trainer_cases.ROWS, (rows0, rows1)
+    for r in results:
+        assert r["param_err"] <= TOL and r["loss_err"] <= TOL, r
+        assert len(r["logged"]) == trainer_cases.STEPS, r
+    assert r0["logged"] == r1["logged"], (r0["logged"], r1["logged"])  # the global batch's loss on both
+    assert r0["saved_err"] <= TOL, r0
+    assert r0["eval_err"] <= TOL and r1["eval_err"] <= TOL, (r0, r1)
+    # The compiled program's collectives, not DDP's: at this size the solver's cheapest step gathers
+    # the token ids (one all-gather) and runs whole on every rank, so no gradient is summed (as in
+    # tests/test_loss_reduction.py's GPT-2 with labels=).
+    assert r0["collectives"] == r1["collectives"] == {"all_gather": 1}, r0["collectives"]
+
+
+def test_unsupported_use_is_refused_with_the_fix(worlds):
+    found = worlds(2).run(trainer_cases.refusals)[0]
+    expected = {
+        "unsharded": r"PlanError: hca.Trainer: this GPT2LMHeadModel is not sharded by torch_hca; shard it",
+        "compiled": r"UnsupportedError: hca.Trainer: model is what torch.compile returned; pass the sharded model",
+        "replicated inputs": r"UnsupportedError: hca.Trainer: the plan has inputs=.*Replicate.*use inputs=Shard\(0\)",
+        "sum": r'PlanError: hca.Trainer: the model is sharded with loss_reduction="sum".*loss_reduction="mean"',
+        "optimizer checkpoints": r"OptionsError: hca.Trainer: .*save_only_model=True",
+        "torch_compile": r"OptionsError: hca.Trainer: leave TrainingArguments' torch_compile",
+    }
+    for name, pattern in expected.items():
+        assert re.match(pattern, found[name]), (name, found[name])
