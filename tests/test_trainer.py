@@ -43,7 +43,8 @@ def test_unsupported_use_is_refused_with_the_fix(worlds):
         "compiled": r"UnsupportedError: hca.Trainer: model is what torch.compile returned; pass the sharded model",
         "replicated inputs": r"UnsupportedError: hca.Trainer: the plan has inputs=.*Replicate.*use inputs=Shard\(0\)",
         "sum": r'PlanError: hca.Trainer: the model is sharded with loss_reduction="sum".*loss_reduction="mean"',
-        "optimizer checkpoints": r"OptionsError: hca.Trainer: .*save_only_model=True",
+        "optimizer checkpoints": r"OptionsError: hca.Trainer: .*optimizer's state; pass .*save_only_model=True",
+        "no args": r"OptionsError: hca.Trainer: args=None; pass TrainingArguments\(..., save_only_model=True\)",
         "torch_compile": r"OptionsError: hca.Trainer: leave TrainingArguments' torch_compile",
     }
     for name, pattern in expected.items():

@@ -193,6 +193,10 @@ def refusals() -> dict[str, str]:
             dp(inputs=Shard(0), outputs=Shard(0), loss_reduction="mean"),
             save_only_model=False,
         )
+        try:
+            hca.Trainer(model=dp(inputs=Shard(0), outputs=Shard(0), loss_reduction="mean")())
+        except hca.HCAError as e:
+            found["no args"] = f"{type(e).__name__}: {e}"
         attempt(
             "torch_compile",
             dp(inputs=Shard(0), outputs=Shard(0), loss_reduction="mean"),

@@ -83,15 +83,16 @@ def _check_model(model: Any) -> None:
 
 
 def _check_args(args: Any) -> None:
-    """Checkpoints hold the model only: the optimizer's state is not written by Trainer's code here."""
-    if args is None:
-        return
+    """Checkpoints hold the model only: Trainer writes an optimizer's state from one rank, which a
+    model that owns its sharding refuses (transformers says so too, naming its own loader)."""
+    fix = (
+        "pass TrainingArguments(..., save_only_model=True) (checkpoints: the whole model, through its "
+        'save_pretrained) or save_strategy="no"; resuming a Trainer run is not built (docs/huggingface.md)'
+    )
+    if args is None:  # Trainer's default arguments save the optimizer's state every 500 steps
+        raise OptionsError(f"hca.Trainer: args=None; {fix}")
     if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no" and not args.save_only_model:
-        raise OptionsError(
-            "hca.Trainer: Trainer's checkpoints would write the optimizer's sharded state from rank 0 alone; "
-            "pass TrainingArguments(save_only_model=True) (the model, through its save_pretrained) or "
-            'save_strategy="no", and keep optimizer state with hca.save / hca.load (docs/checkpoints.md)'
-        )
+        raise OptionsError(f"hca.Trainer: Trainer's checkpoints would hold the optimizer's state; {fix}")
     backend = getattr(args, "torch_compile_backend", None)
     if getattr(args, "torch_compile", False) or backend is not None:
         raise OptionsError(
