@@ -60,8 +60,10 @@ def _parser() -> argparse.ArgumentParser:
         "--inputs",
         metavar="MODULE:FACTORY",
         help="with --model: FACTORY() returns the example inputs (a tensor or a tuple: the whole tensors "
-        "one device would see) the model is re-traced on",
+        "one device would see) the model is re-traced on; every rank is then also run in float64 against "
+        "the model (the numerical refinement check)",
     )
+    verify.add_argument("--no-numeric", action="store_true", help="with --inputs: skip the numerical refinement check")
     return parser
 
 
@@ -70,14 +72,15 @@ def _verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from torch_hca.verify import verify as verify_file
 
     if args.model is None:
-        if args.inputs is not None:
-            parser.error("--inputs goes with --model")
+        if args.inputs is not None or args.no_numeric:
+            parser.error("--inputs and --no-numeric go with --model")
         result = verify_file(args.strategy, raise_on_failure=False)
     else:
         _fake_world_for(args.strategy)
         model = _factory(parser, args.model, "--model")()
         inputs = _factory(parser, args.inputs, "--inputs")() if args.inputs is not None else None
-        result = verify_file(model, args.strategy, inputs, raise_on_failure=False)
+        numeric = inputs is not None and not args.no_numeric
+        result = verify_file(model, args.strategy, inputs, numeric=numeric, raise_on_failure=False)
     print(result)
     return 0 if result.ok else 1
 

@@ -6,7 +6,8 @@ docs/strategy.md ("What the verifier proves").
 
     result = hca.verify("strategy.json")       # StrategyError listing every problem, else:
     print(result)                              # "verified: 3 rules x 1 graph, 0 problems, 0.01 s"
-    hca.verify(model, "strategy.json", (x,))   # also against the model, re-traced on x (retrace.py)
+    hca.verify(model, "strategy.json", (x,))   # also against the model, re-traced on x (retrace.py),
+                                               # and every rank run in float64 against it (numeric.py)
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch.nn as nn
 from torch_hca.errors import StrategyError
 
 from .collective_rules import collectives, groups, issued, owed
+from .numeric import Numeric
+from .numeric import check as numeric_check
 from .retrace import Traced, against_model, parameters_of, trace
 from .rules import Graph, Problem, mesh_and_model, moves, parameters, partial_reduced, placements, structure
 
@@ -41,6 +44,7 @@ class Verification:
     collectives: int = 0
     seconds: float = 0.0
     model: str | None = None  # what the file was compared against: the model, re-traced or not
+    numeric: Numeric | None = None  # the numerical refinement check, when it ran
 
     @property
     def ok(self) -> bool:
@@ -51,6 +55,7 @@ class Verification:
             f"{self.source}: {'verified' if self.ok else 'REJECTED'}: {self.graphs} graph(s), {self.moves} moves, "
             f"{self.collectives} collectives, {len(self.problems)} problem(s), {self.seconds:.3f} s"
             + (f"; against {self.model}" if self.model else "")
+            + (f"; {self.numeric}" if self.numeric else "")
         )
         return "\n".join([head, *(f"  {p}" for p in self.problems)])
 
@@ -99,6 +104,7 @@ def verify(
     strategy: str | os.PathLike | dict | None = None,
     example_inputs: Any = None,
     *,
+    numeric: bool | None = None,
     raise_on_failure: bool = True,
 ) -> Verification:
     """Check a strategy file (a path, or its content as a dict) by the spmd algebra alone:
@@ -107,7 +113,10 @@ def verify(
     With a model, its parameters (names, shapes, dtypes, a sharded module's storage) must be the
     file's; with example inputs (the whole tensors one device would see), the model's forward is
     re-traced with torch alone and every value the file lists must have the trace's logical shape
-    and dtype (`torch_hca.verify.retrace`). Returns a `Verification`; with ``raise_on_failure``
+    and dtype (`torch_hca.verify.retrace`); and, with ``numeric`` (default: on when example inputs
+    are given and every other rule passed), every rank of the file's program is run in this process
+    in float64 and each value and parameter gradient compared with the logical program's
+    (`torch_hca.verify.numeric`), the first that differs named. Returns a `Verification`; with ``raise_on_failure``
     (default), a file with a problem is a `StrategyError` whose message lists each one: the value,
     the rule, what the file says and what it should say.
     """
@@ -117,6 +126,13 @@ def verify(
     result = Verification(name, problems(data))
     if model is not None and not structure(data):
         result.problems += _against(model, data, example_inputs, result)
+    if numeric is None:
+        numeric = example_inputs is not None
+    if numeric and example_inputs is None:
+        raise StrategyError("hca.verify(..., numeric=True): the numerical check needs example inputs")
+    if numeric and model is not None and result.ok:
+        found, result.numeric = numeric_check(model, data, example_inputs)
+        result.problems += found
     if isinstance(data, dict) and isinstance(data.get("graphs"), list):
         result.graphs = len(data["graphs"])
         result.moves = sum(len(g.get("moves", [])) for g in data["graphs"] if isinstance(g, dict))

@@ -70,17 +70,27 @@ def parameters_of(model: nn.Module) -> dict[str, dict]:
 def trace(model: nn.Module, example_inputs: Any) -> Traced:
     """The model's logical program on `example_inputs` (the whole tensors one device would see)."""
     model = getattr(model, "_orig_mod", model)  # a torch.compile'd module: the module itself
+    graphs, names = capture(model, example_inputs, _meta, _meta, _meta)
+    return _summary(model, graphs, names)
+
+
+def capture(model: nn.Module, example_inputs: Any, parameter, buffer, tensor_input) -> tuple[list, dict]:
+    """Dynamo's graphs of the model's own forward, run on tensors made from the model's parameters,
+    buffers and the example inputs by the three functions given (meta tensors for the shapes; real
+    float64 ones for the numerical check). Returns each graph as (GraphModule, {placeholder: parameter
+    name}, the tensors Dynamo bound to its placeholders), and {id(tensor): parameter names}."""
+    model = getattr(model, "_orig_mod", model)
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
-    inputs = tuple(_meta(x) if isinstance(x, torch.Tensor) else x for x in example_inputs)
-    metas: dict[int, torch.Tensor] = {}  # one meta tensor per parameter: tied ones stay tied
+    inputs = tuple(tensor_input(x) if isinstance(x, torch.Tensor) else x for x in example_inputs)
+    made: dict[int, torch.Tensor] = {}  # one tensor per parameter: tied ones stay tied
     tensors = {
-        f"model.{n}": metas.setdefault(id(p), _meta(p)) for n, p in model.named_parameters(remove_duplicate=False)
+        f"model.{n}": made.setdefault(id(p), parameter(p)) for n, p in model.named_parameters(remove_duplicate=False)
     }
     names: dict[int, set[str]] = {}
     for n, t in tensors.items():
         names.setdefault(id(t), set()).add(n.removeprefix("model."))
-    tensors.update({f"model.{n}": _meta(b) for n, b in model.named_buffers()})
+    tensors.update({f"model.{n}": buffer(b) for n, b in model.named_buffers()})
     forward, graphs = _user_forward(model), []
 
     class Logical(nn.Module):
@@ -91,7 +101,7 @@ def trace(model: nn.Module, example_inputs: Any) -> Traced:
         def forward(self, *args):
             return forward(self.model, *args)
 
-    def keep(gm: fx.GraphModule, _inputs: list) -> Any:
+    def keep(gm: fx.GraphModule, bound: list) -> Any:
         # Which parameter each placeholder is, read now: Dynamo erases the examples after compiling.
         read = {}
         for node in gm.graph.find_nodes(op="placeholder"):
@@ -99,7 +109,7 @@ def trace(model: nn.Module, example_inputs: Any) -> Traced:
             aliases = names.get(id(getattr(grapharg, "example", None))) if grapharg is not None else None
             if aliases:
                 read[node.name] = min(aliases)
-        graphs.append((gm, read))
+        graphs.append((gm, read, list(bound)))
         return gm.forward
 
     logical = Logical()
@@ -118,8 +128,12 @@ def trace(model: nn.Module, example_inputs: Any) -> Traced:
             f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else '?'}); give the whole "
             "inputs one device would see (not one rank's piece), as a tuple"
         ) from e
+    return graphs, names
+
+
+def _summary(model: nn.Module, graphs: list, names: dict) -> Traced:
     result = Traced(parameters=parameters_of(model), aliases={n: a for a in names.values() for n in a})
-    for gm, parameter_of in graphs:
+    for gm, parameter_of, _bound in graphs:
         ops, ins = [], []
         for node in gm.graph.nodes:
             v = node.meta.get("example_value")

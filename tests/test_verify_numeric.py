@@ -1,0 +1,109 @@
+"""The verifier's numerical refinement check (torch_hca/verify/numeric.py): every rank of a real
+strategy file run in one process, float64, against the model's logical program; corruptions the
+structural rules pass are caught there and the first value that differs is named."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+import torch_hca as hca
+from torch_hca.tools import zoo
+from torch_hca.verify import problems
+from torch_hca.verify.numeric import check
+
+from test_verify import _saved
+
+
+@pytest.fixture(scope="module")
+def tp_file(tmp_path_factory):
+    """TransformerBlock under TP_BLOCK, fake world 4: Partial values, all_reduces, a cotangent reduction."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torch_hca.runtime.mesh import reset_current_mesh
+
+    torch._dynamo.reset()
+    reset_current_mesh()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        hca.init_mesh()
+        model = hca.sharded(zoo.TP_BLOCK)(zoo.TransformerBlock(128, 4, 512))
+        return _saved(model, torch.randn(2, 6, 128), tmp_path_factory.mktemp("tp") / "s.json")
+    finally:
+        dist.destroy_process_group()
+        reset_current_mesh()
+        torch._dynamo.reset()
+
+
+def _model():
+    return zoo.TransformerBlock(128, 4, 512)  # plain: the check draws its own float64 parameters
+
+
+X = (torch.randn(2, 6, 128),)
+
+
+def test_a_real_file_passes_every_value_and_gradient(tp_file):
+    start = time.perf_counter()
+    result = hca.verify(_model(), tp_file, X)  # numeric on by default with example inputs
+    assert result.ok and result.numeric is not None, result
+    assert result.numeric.values >= 20 and result.numeric.gradients == 12 and not result.numeric.skipped
+    assert "numerical refinement: " in str(result)
+    print(f"\n{result} ({time.perf_counter() - start:.2f} s)")
+    assert hca.verify(_model(), tp_file, X, numeric=False).numeric is None
+
+
+def _drop_move(g: dict, node: str, value: str) -> None:
+    """A move taken out of the file cleanly: its readers read `value`, its collectives gone."""
+    m = next(m for m in g["moves"] if m["node"] == node)
+    g["moves"].remove(m)
+    del g["values"][node]
+    for v in g["values"].values():
+        v["reads"] = [value if r == node else r for r in v["reads"]]
+    gone = {s["collective"] for s in m["steps"]}
+    g["collectives"] = [c for c in g["collectives"] if c["id"] not in gone]
+    g["issued"] = [i for i in g["issued"] if not set(i["members"]) & gone]
+    kept = {i["id"] for i in g["issued"]}
+    for grp in g["groups"].values():
+        grp["forward"] = [i for i in grp["forward"] if i in kept]
+
+
+def test_a_partial_written_as_replicate_is_named(tp_file):
+    """The attention's output projection is Partial (row-parallel); written R with its all_reduce
+    dropped, the file is consistent for the structural rules (no per-op legality) but not numerically."""
+    broken = copy.deepcopy(tp_file)
+    g = broken["graphs"][0]
+    partial = next(n for n, v in g["values"].items() if v["placements"] == ["P(sum)"] and v["kind"] == "op")
+    move = next(m["node"] for m in g["moves"] if m["value"] == partial)
+    g["values"][partial]["placements"] = ["R"]
+    _drop_move(g, move, partial)
+    assert problems(broken) == []  # the structural rules pass it
+    found = hca.verify(_model(), broken, X, raise_on_failure=False).problems
+    assert [p.rule for p in found] == ["numerical refinement"], found
+    assert found[0].where.startswith(f"graph 0, value {partial!r}") and "replicas differing" in found[0].says
+    with pytest.raises(hca.StrategyError, match=rf"value '{partial}'.*rule 'numerical refinement'.*\['R'\]"):
+        hca.verify(_model(), broken, X)
+
+
+def test_a_shard_dim_changed_is_named(tp_file):
+    """q is Shard(1) (heads); Shard(3) divides its shape too, so only the numbers tell."""
+    broken = copy.deepcopy(tp_file)
+    broken["graphs"][0]["values"]["q"]["placements"] = ["S(3)"]
+    assert problems(broken) == []
+    found, summary = check(_model(), broken, X)
+    assert len(found) == 1 and found[0].where == "graph 0, value 'q' (transpose)", found
+    assert "['S(3)']" in found[0].says and "logical value has [2, 4, 6, 32]" in found[0].says
+
+
+def test_a_dropped_cotangent_reduction_is_a_gradient_named(tp_file):
+    """The forward is right; the layer norm's cotangent reduction gone, its weight's gradient is not."""
+    broken = copy.deepcopy(tp_file)
+    g = broken["graphs"][0]
+    reduction = next(c for c in g["collectives"] if c["direction"] == "backward" and c["origin"] == "layer_norm")
+    g["collectives"].remove(reduction)
+    found, summary = check(_model(), broken, X)
+    assert found and found[0].rule == "numerical refinement" and "gradient of parameter" in found[0].where, found
+    assert summary.values >= 20  # every forward value agreed first
