@@ -106,6 +106,10 @@ class InPlace(nn.Module):
     def forward(self, x):
         if self.what == "input":
             x.mul_(2)
+        elif self.what == "view":  # a view of an intermediate, whose base later readers read
+            y = self.fc(x) * 1
+            y[:, :4].mul_(2)
+            return y
         else:
             with torch.no_grad():
                 self.fc.weight.add_(1)
@@ -764,6 +768,12 @@ def _ops() -> list[Case]:
             _train(lambda: _mlp({}, model=InPlace("parameter")), x),
             U,
             r"add_ .*updates l_self_modules_fc_parameters_weight_, an argument, parameter or buffer of the graph, in place; write it out of place",
+        ),
+        Case(
+            "op/in-place-update-of-a-view",
+            _train(lambda: _mlp({}, model=InPlace("view"), inputs=Shard(0)), x),
+            U,
+            r"mul_ .*updates \w+ in place while it is a view of, or viewed by, another value; write it out of place",
         ),
         Case(
             "op/random-draw-from-a-dtensor",

@@ -187,10 +187,10 @@ def llama(layers: int = 2) -> Built:
     return LogitsOf(hf, ("input_ids",)), token_inputs, lm_loss
 
 
-def mixtral() -> Built:
+def mixtral(experts_implementation: str | None = "eager") -> Built:
     """Mixture of experts (tests/test_moe.py; not in MODELS, for the suite's time): 4 experts, 2 a
     token, 1 layer, GQA (4 query heads over 2 kv heads). `experts_implementation="eager"`: HF's loop
-    over the experts (its default grouped kernel fails in the lift pass, docs/huggingface.md)."""
+    over the experts; None: HF's default (grouped) kernel."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(
@@ -205,9 +205,32 @@ def mixtral() -> Built:
         max_position_embeddings=32,
         use_cache=False,
         attn_implementation="sdpa",
-        experts_implementation="eager",
+        **({"experts_implementation": experts_implementation} if experts_implementation else {}),
     )
     return LogitsOf(MixtralForCausalLM(config), ("input_ids",)), token_inputs, lm_loss
+
+
+def qwen2_moe() -> Built:
+    """Qwen2-MoE (tests/test_moe.py): 4 routed experts, 2 a token, beside a gated shared expert; q, k,
+    v biases; 1 layer, GQA; HF's default (grouped) experts kernel."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    return LogitsOf(Qwen2MoeForCausalLM(config), ("input_ids",)), token_inputs, lm_loss
 
 
 def bert(dropout: float = 0.0) -> Built:

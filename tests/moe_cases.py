@@ -1,4 +1,4 @@
-"""Work run on every rank by tests/test_moe.py: HF Mixtral (mixture of experts) compiled by hca
+"""Work run on every rank by tests/test_moe.py: HF Mixtral and Qwen2-MoE (mixture of experts) compiled by hca
 against one device. Plain module, importable by the spawned ranks; no pytest here."""
 
 from __future__ import annotations
@@ -16,20 +16,30 @@ from dist_cases import full, rel_err
 
 # Expert storage: each expert weight tensor ([experts, ...]) cut by experts over the ranks.
 EXPERTS = {"hf.model.layers.*.mlp.experts.*": Shard(0)}
+# Megatron attention: q, k, v (weights and biases) by heads, o by its input features.
+ATTENTION = {"hf.model.layers.*.self_attn.[qkv]_proj.*": Shard(0), "hf.model.layers.*.self_attn.o_proj.weight": Shard(1)}
+# FSDP-style: attention, the routed experts and the shared expert stored split by their first dim
+# (the router and the shared expert's 1-row gate stay replicated: a 1-row weight does not split).
+FSDP = {"hf.model.layers.*.self_attn.*": Shard(0), **EXPERTS, "hf.model.layers.*.mlp.shared_expert.*": Shard(0)}
+PLANS = {"dp": {}, "experts": EXPERTS, "attention": ATTENTION, "fsdp": FSDP}
+BUILDERS = {
+    "mixtral": model_zoo.mixtral,
+    "mixtral_grouped": lambda: model_zoo.mixtral(experts_implementation=None),
+    "qwen2_moe": model_zoo.qwen2_moe,
+}
 
 
-def mixtral_parity(plans: list[str], steps: int = 2) -> dict:
-    """Per plan ("dp": parameters replicated, the batch split; "experts": `EXPERTS`, the batch
-    split): outputs, every gradient and the parameters after `steps` SGD steps against one device,
-    and the collectives of the compiled graphs."""
+def mixtral_parity(plans: list[str], steps: int = 2, family: str = "mixtral") -> dict:
+    """Per plan of `PLANS` (the batch split under each): outputs, every gradient and the parameters
+    after `steps` SGD steps against one device, and the collectives of the compiled graphs."""
     world, rank = dist.get_world_size(), dist.get_rank()
     results = {}
     for plan in plans:
         torch._dynamo.reset()
         mesh = hca.init_mesh()
         torch.manual_seed(0)
-        ref, _, _ = model_zoo.mixtral()
-        model = hca.sharded({} if plan == "dp" else EXPERTS, mesh=mesh, inputs=Shard(0), outputs=Shard(0))(
+        ref, _, _ = BUILDERS[family]()
+        model = hca.sharded(PLANS[plan], mesh=mesh, inputs=Shard(0), outputs=Shard(0))(
             copy.deepcopy(ref)
         )
         compiled = torch.compile(model, backend="hca")

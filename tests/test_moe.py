@@ -1,4 +1,5 @@
-"""Mixture of experts: HF Mixtral compiled by hca trains as one device (docs/huggingface.md).
+"""Mixture of experts: HF Mixtral and Qwen2-MoE compiled by hca train as one device
+(docs/huggingface.md), with HF's default (grouped) experts kernel and its loop over the experts.
 
 What runs is correct but not expert parallel: the program gathers the tokens (and, with the
 experts stored split, the expert weights) and routes every token on every rank. The collectives
@@ -21,18 +22,37 @@ def _assert_one_device(results):
         assert r["grad_errs"] and max(errs) <= TOL, r
 
 
-def test_mixtral_at_2_ranks_batch_split_and_experts_stored_split(worlds):
-    results = worlds(2).run(moe_cases.mixtral_parity, ["dp", "experts"])
+def test_mixtral_grouped_kernel_at_2_ranks_batch_split_and_experts_stored_split(worlds):
+    """HF's default kernel normalises the router's top-k weights in place
+    (`router_top_value /= ...sum(...)`, on a value DTensor's from_local wrapped as a view): made
+    out of place by the lift pass, not refused."""
+    results = worlds(2).run(moe_cases.mixtral_parity, ["dp", "experts"], 2, "mixtral_grouped")
     _assert_one_device([rank[plan] for rank in results for plan in ("dp", "experts")])
     dp, experts = results[0]["dp"], results[0]["experts"]
-    # The token ids gathered once; every rank computes the whole batch, so no gradient is summed.
-    assert (dp["forward"], dp["backward"]) == ({"all_gather": 1}, {}), dp
-    # ... and with the experts stored split, both expert weight tensors gathered too.
-    assert (experts["forward"], experts["backward"]) == ({"all_gather": 2}, {}), experts
+    # The token ids gathered once and every rank routes the whole batch; the grouped kernel's
+    # backward gathers and sums one routing tensor.
+    assert (dp["forward"], dp["backward"]) == ({"all_gather": 1}, {"all_gather": 1, "all_reduce": 1}), dp
+    # ... and with the experts stored split, the expert weights gathered too.
+    assert (experts["forward"], experts["backward"]) == ({"all_gather": 2}, {"all_gather": 1, "all_reduce": 1}), experts
     assert set(experts["experts"].values()) == {"(Shard(dim=0),)"}, experts["experts"]
 
 
-def test_mixtral_at_4_ranks_one_expert_each(worlds):
+def test_qwen2_moe_at_2_ranks_under_dp_megatron_attention_and_fsdp(worlds):
+    """Qwen2-MoE (a gated shared expert beside the routed ones, HF's grouped kernel) under the three
+    plans of `moe_cases.PLANS` it names, each as one device."""
+    plans = ["dp", "attention", "fsdp"]
+    results = worlds(2).run(moe_cases.mixtral_parity, plans, 2, "qwen2_moe")
+    _assert_one_device([rank[plan] for rank in results for plan in plans])
+    got = {plan: (results[0][plan]["forward"], results[0][plan]["backward"]) for plan in plans}
+    assert got == {
+        "dp": ({"all_gather": 1}, {"all_gather": 1, "all_reduce": 1}),
+        "attention": ({"all_gather": 2}, {"all_gather": 1}),
+        "fsdp": ({"all_gather": 2}, {"all_gather": 1}),
+    }, got
+    assert set(results[0]["fsdp"]["experts"].values()) == {"(Shard(dim=0),)"}
+
+
+def test_mixtral_loop_over_experts_at_4_ranks_one_expert_each(worlds):
     results = worlds(4).run(moe_cases.mixtral_parity, ["experts"])
     _assert_one_device([rank["experts"] for rank in results])
     assert all((r["experts"]["forward"], r["experts"]["backward"]) == ({"all_gather": 2}, {}) for r in results)

@@ -464,3 +464,16 @@ def test_size_hint_reads_a_symbolic_size_as_the_examples():
     rows = env.create_symintnode(env.create_symbol(6, ConstantSource("rows")), hint=6)
     assert isinstance(rows, torch.SymInt)
     assert size_hint(rows * 4) == 24 and size_hint(7) == 7
+
+
+def test_storage_key_names_views_of_a_fake_dtensors_local_piece(fake_pg):
+    """DTensor slices its local piece below autograd, so the view records no `_base`; its storage does."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mesh = hca.init_mesh()
+    with FakeTensorMode():
+        y = DTensor.from_local(torch.randn(4, 8), mesh, (Replicate(),), run_check=False) * 1
+        view, other = y[:, :4], y + 1
+        assert view._local_tensor._base is None  # why the key is needed
+        assert tp.storage_key(view._local_tensor) == tp.storage_key(y._local_tensor)
+        assert tp.storage_key(other._local_tensor) != tp.storage_key(y._local_tensor)

@@ -432,3 +432,14 @@ def size_hint(value) -> int:
     from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
 
     return int(guarding_hint_or_throw(value)) if isinstance(value, torch.SymInt) else int(value)
+
+
+def storage_key(t: torch.Tensor):
+    """A key equal for tensors that share storage (views of one another), fake tensors included.
+
+    DTensor computes its local results below autograd, where views do not record `_base`, so the
+    storage is the one sign of an alias there.
+    """
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())

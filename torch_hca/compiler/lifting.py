@@ -50,7 +50,7 @@ from torch_hca.compiler import dtensor_ops
 from torch_hca.compiler.layout.probes import call_node
 from torch_hca.compiler import randomness
 from torch_hca.compiler.layout.candidates import op_name, source_line
-from torch_hca._torch_private import fake_dtensor_work
+from torch_hca._torch_private import fake_dtensor_work, storage_key
 from torch_hca.errors import UnsupportedError
 from torch_hca.compiler.logical import ENTER, LEAVE, decode, mesh_of
 
@@ -328,11 +328,11 @@ class Lifted:
                 f"lift: {where} updates {target.name}, an argument, parameter or buffer of the graph, in place; "
                 "write it out of place (y = x * 2, not x.mul_(2))"
             )
-        local = self.env[target]._local_tensor
-        aliased = local._base is not None or any(
-            isinstance(v, DTensor) and v._local_tensor._base is local for n, v in self.env.items() if n is not target
-        )
-        if aliased:
+        # Aliased: a value read later shares its storage (DTensor's local views do not record `_base`).
+        key, order = storage_key(self.env[target]._local_tensor), {n: i for i, n in enumerate(self.gm.graph.nodes)}
+        later = lambda n: any(order.get(u, -1) > order[node] for u in n.users)
+        shared = lambda n, v: isinstance(v, DTensor) and storage_key(v._local_tensor) == key and later(n)
+        if any(n is not target and shared(n, v) for n, v in self.env.items()):
             raise UnsupportedError(
                 f"lift: {where} updates {target.name} in place while it is a view of, or viewed by, another value; "
                 "write it out of place"
@@ -351,7 +351,6 @@ class Lifted:
             node.target = getattr(torch, node.target.__name__[:-1])
         else:
             raise UnsupportedError(f"lift: {where} updates {target.name} in place and has no out-of-place form here")
-        order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
         for user in list(target.users):
             if user is not node and order[user] > order[node]:
                 user.replace_input_with(target, node)
