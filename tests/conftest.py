@@ -12,11 +12,9 @@ import os
 import tempfile
 
 import pytest
-import torch
-import torch.distributed as dist
 
+import dist_cases
 import torch_hca as hca
-from torch_hca.runtime.mesh import reset_current_mesh
 
 # The compiler starts from this host's cached calibration when there is one: tests solve with
 # the documented defaults instead (an empty cache), so that layouts do not depend on the machine.
@@ -27,18 +25,8 @@ os.environ["TORCH_HCA_CACHE_DIR"] = tempfile.mkdtemp(prefix="torch_hca_test_cach
 @pytest.fixture
 def fake_pg(request):
     """A fake process group (world size 4 unless parametrized) and its 1-D mesh."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    world_size = getattr(request, "param", 4)
-    torch._dynamo.reset()
-    reset_current_mesh()  # also clears DTensor's sharding cache (see _torch_private)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        yield hca.init_mesh()
-    finally:
-        dist.destroy_process_group()
-        reset_current_mesh()
-        torch._dynamo.reset()
+    with dist_cases.fake_world(getattr(request, "param", 4)) as mesh:
+        yield mesh
 
 
 _WORLDS: dict[int, hca.LocalWorld] = {}

@@ -9,6 +9,7 @@ spawned ranks; no pytest here.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from dataclasses import dataclass
@@ -22,6 +23,24 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import torch_hca as hca
 from torch_hca.tools import zoo
 from torch_hca.spmd.collective_nodes import CollectiveCounter
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int = 4):
+    """A fake process group of `world_size` ranks and its 1-D mesh (yielded), for graph-only checks."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torch_hca.runtime.mesh import reset_current_mesh
+
+    torch._dynamo.reset()
+    reset_current_mesh()  # also clears DTensor's sharding cache (see _torch_private)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield hca.init_mesh()
+    finally:
+        dist.destroy_process_group()
+        reset_current_mesh()
+        torch._dynamo.reset()
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ from torch.distributed.tensor import Replicate, Shard
 import torch_hca as hca
 from torch_hca.tools.bench_real import MEGATRON, gpt2_small
 
+from dist_cases import fake_world
+
 pytest.importorskip("transformers")
 
 
@@ -73,21 +75,9 @@ N_LAYER = 2
 @contextlib.contextmanager
 def _fake_world_2():
     """A fake process group of world 2 and its mesh, for one compile."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from torch_hca.runtime.mesh import reset_current_mesh
-
-    torch._dynamo.reset()
-    reset_current_mesh()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        hca.init_mesh()
+    with fake_world(2):
         torch.manual_seed(0)
         yield
-    finally:
-        dist.destroy_process_group()
-        reset_current_mesh()
 
 
 @pytest.fixture

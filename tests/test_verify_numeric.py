@@ -15,28 +15,16 @@ from torch_hca.tools import zoo
 from torch_hca.verify import problems
 from torch_hca.verify.numeric import check
 
+from dist_cases import fake_world
 from test_verify import _remove_collective, _saved
 
 
 @pytest.fixture(scope="module")
 def tp_file(tmp_path_factory):
     """TransformerBlock under TP_BLOCK, fake world 4: Partial values, all_reduces, a cotangent reduction."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from torch_hca.runtime.mesh import reset_current_mesh
-
-    torch._dynamo.reset()
-    reset_current_mesh()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
-        hca.init_mesh()
+    with fake_world(4):
         model = hca.sharded(zoo.TP_BLOCK)(zoo.TransformerBlock(128, 4, 512))
         return _saved(model, torch.randn(2, 6, 128), tmp_path_factory.mktemp("tp") / "s.json")
-    finally:
-        dist.destroy_process_group()
-        reset_current_mesh()
-        torch._dynamo.reset()
 
 
 def _model():

@@ -72,8 +72,10 @@ class Posted:
         store, rank = default_store(), dist.get_rank()
         keys = [self.prefix + str(r) for r in self.peers]
         before = store.timeout
+        # Where this rank waits, for a peer waiting elsewhere to read: posted only once a wait runs
+        # past its first slice, so a check whose peers are on time costs no extra round trip.
         here = f"{self.topic}\t{self.prefix}\t{','.join(map(str, self.peers))}\t{what}\t{_mode()}"
-        store.set(f"hca/at/{rank}", here)  # where this rank waits, for a peer waiting elsewhere to read
+        at_posted = False
         deadline = time.monotonic() + timeout
         try:
             while True:
@@ -82,6 +84,9 @@ class Posted:
                     values = store.multi_get(keys) if keys else []  # waits for every key: one round trip
                     break
                 except Exception as e:
+                    if not at_posted:
+                        store.set(f"hca/at/{rank}", here)
+                        at_posted = True
                     late = [r for r, k in zip(self.peers, keys) if not store.check([k])]
                     if mismatch := _waiting_elsewhere(store, rank, late, what):
                         here = None  # our place stays posted: the peer waiting for us reads it and stops too
@@ -95,7 +100,7 @@ class Posted:
                         ) from e
         finally:
             store.set_timeout(before)
-            if here is not None:
+            if at_posted and here is not None:
                 store.set(f"hca/at/{rank}", "-")
         texts = {r: v.decode() for r, v in zip(self.peers, values)}
         # Every peer has posted this round, so each has read our previous key.
