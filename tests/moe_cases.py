@@ -17,7 +17,10 @@ from dist_cases import full, rel_err
 # Expert storage: each expert weight tensor ([experts, ...]) cut by experts over the ranks.
 EXPERTS = {"hf.model.layers.*.mlp.experts.*": Shard(0)}
 # Megatron attention: q, k, v (weights and biases) by heads, o by its input features.
-ATTENTION = {"hf.model.layers.*.self_attn.[qkv]_proj.*": Shard(0), "hf.model.layers.*.self_attn.o_proj.weight": Shard(1)}
+ATTENTION = {
+    "hf.model.layers.*.self_attn.[qkv]_proj.*": Shard(0),
+    "hf.model.layers.*.self_attn.o_proj.weight": Shard(1),
+}
 # FSDP-style: attention, the routed experts and the shared expert stored split by their first dim
 # (the router and the shared expert's 1-row gate stay replicated: a 1-row weight does not split).
 FSDP = {"hf.model.layers.*.self_attn.*": Shard(0), **EXPERTS, "hf.model.layers.*.mlp.shared_expert.*": Shard(0)}
@@ -39,9 +42,7 @@ def mixtral_parity(plans: list[str], steps: int = 2, family: str = "mixtral") ->
         mesh = hca.init_mesh()
         torch.manual_seed(0)
         ref, _, _ = BUILDERS[family]()
-        model = hca.sharded(PLANS[plan], mesh=mesh, inputs=Shard(0), outputs=Shard(0))(
-            copy.deepcopy(ref)
-        )
+        model = hca.sharded(PLANS[plan], mesh=mesh, inputs=Shard(0), outputs=Shard(0))(copy.deepcopy(ref))
         compiled = torch.compile(model, backend="hca")
         opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
         out_err, grad_errs = 0.0, {}
