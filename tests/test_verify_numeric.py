@@ -96,3 +96,24 @@ def test_a_dropped_cotangent_reduction_is_a_gradient_named(tp_file):
     found, summary = check(_model(), broken, X)
     assert found and found[0].rule == "numerical refinement" and "gradient of parameter" in found[0].where, found
     assert summary.values >= 20  # every forward value agreed first
+
+
+def test_in_place_means_an_update_not_a_name_ending_in_underscore():
+    """``m & k`` is ``operator.and_`` (a new tensor; HF's masks are built so), ``m &= k`` is
+    ``operator.iand``: only the second, and ``add_``, make the numerical check skip the graph."""
+    import operator
+
+    import torch.fx as fx
+
+    from torch_hca.verify.float64 import in_place
+
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    nodes = [
+        g.call_function(operator.and_, (a, b)),
+        g.call_function(operator.iand, (a, b)),
+        g.call_method("add_", (a, b)),
+        g.call_function(torch.add, (a, b)),
+        g.call_function(torch.relu, (a,), {"inplace": True}),
+    ]
+    assert [in_place(n) for n in nodes] == [False, True, True, False, True]

@@ -13,7 +13,9 @@ is rounding noise. Why SGD and not Adam: see tests/zoo_cases.py.
 
 The first compiled call's wall time (compilation included) of each case is
 collected in `FIRST_CALL_S` and printed as a table when the module finishes,
-with or without ``-s``. ``TORCH_HCA_ZOO_INDUCTOR=1`` also times each model on
+with or without ``-s``, beside the independent verifier's time on that case's
+strategy file (`VERIFY_S`: against the model re-traced, and every rank simulated
+in float64 by the numerical refinement check, on rank 0). ``TORCH_HCA_ZOO_INDUCTOR=1`` also times each model on
 one device under plain ``torch.compile`` (Inductor) for comparison (about 3
 minutes on 2 cores, so opt-in).
 """
@@ -37,6 +39,11 @@ RUN_TIMEOUT_S = 600  # compiling an HF model on 4 ranks sharing 2 cores is slow
 # First-call wall time in seconds (compilation included), per case id; printed at the end.
 FIRST_CALL_S: dict[str, float] = {}
 INDUCTOR_FIRST_CALL_S: dict[str, float] = {}
+# hca.verify(model, strategy, inputs) per case id: (seconds, values compared, gradients compared).
+VERIFY_S: dict[str, tuple[float, int, int]] = {}
+# Graphs with in-place ops: the file holds the compiler's out-of-place rewrite, which the numerical
+# check does not compare against the traced in-place program (docs/strategy.md); it says so.
+NUMERIC_SKIPS_IN_PLACE = {"convnet", "inplace_mlp"}
 
 ALL_CASES = [
     (model, plan, world_size)
@@ -83,6 +90,12 @@ def _first_call_table(request):
         return
     lines = ["", "model zoo: first compiled call, wall seconds (compilation included)"]
     lines += [f"  hca       {case:<36} {s:8.2f}" for case, s in sorted(FIRST_CALL_S.items())]
+    if VERIFY_S:
+        lines += ["model zoo: hca.verify(model, strategy file, inputs), numeric check included, rank 0"]
+        lines += [
+            f"  verify    {case:<36} {s:8.2f} s  {v} values, {g} gradients compared"
+            for case, (s, v, g) in sorted(VERIFY_S.items())
+        ]
     lines += [
         f"  inductor  {m + ' (1 device, fwd+bwd)':<36} {s:8.2f}" for m, s in sorted(INDUCTOR_FIRST_CALL_S.items())
     ]
@@ -152,7 +165,10 @@ def test_plan_matches_and_divides(model_name, plan, world_size):
 @pytest.mark.parametrize("model_name,plan,world_size", CASES, ids=[f"{m}-{p}-{w}" for m, p, w in CASES])
 def test_zoo_parity(worlds, model_name, plan, world_size):
     results = worlds(world_size).run(zoo_cases.zoo_parity, model_name, plan, STEPS, timeout_s=RUN_TIMEOUT_S)
-    FIRST_CALL_S[f"{model_name}-{plan}-{world_size}"] = max(r["first_call_s"] for r in results)
+    case = f"{model_name}-{plan}-{world_size}"
+    FIRST_CALL_S[case] = max(r["first_call_s"] for r in results)
+    numeric = results[0]["numeric"] or {}
+    VERIFY_S[case] = (results[0]["verify_s"], numeric.get("values", 0), numeric.get("gradients", 0))
     _assert_parity(model_name, results)
 
 
@@ -195,6 +211,14 @@ def _assert_parity(model_name: str, results: list[dict]) -> None:
     assert all((r["forward"], r["backward"]) == (first["forward"], first["backward"]) for r in results)
     # The independent verifier accepts every rank's strategy file (no false alarm on a real program).
     assert all(r["verify_problems"] == [] for r in results), [r["verify_problems"] for r in results]
+    # Against the model: re-traced, and every rank of the file run in float64 (rank 0 does it).
+    assert first["model_verify_problems"] == [], first["model_verify_problems"]
+    numeric = first["numeric"]
+    assert numeric is not None, "the numerical refinement check did not run"
+    if model_name in NUMERIC_SKIPS_IN_PLACE:
+        assert any("in-place" in why for why in numeric["skipped"]), numeric
+    else:
+        assert numeric["values"] > 0 and numeric["gradients"] > 0 and not numeric["skipped"], numeric
 
 
 # Hidden dropout on, as transformers trains by default (0.1). Under layout="dtensor", "megatron"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import time
 from typing import Any
 
@@ -162,8 +163,14 @@ def zoo_parity(
     result["backward"] = rep.collective_counts("backward")
     # The strategy this compile decided, as its file holds it, checked by the independent
     # verifier (torch_hca/verify): milliseconds, so every parity case is also a verifier case.
-    verified = hca.verify(strategy_file.build(rep), raise_on_failure=False)
+    saved = strategy_file.build(rep)
+    verified = hca.verify(saved, raise_on_failure=False)
     result["verify_problems"] = [str(p) for p in verified.problems]
+    if dist.get_rank() == 0:  # the file against the model, every rank simulated in float64 (one rank does it)
+        checked = hca.verify(copy.deepcopy(ref), saved, batches[0], raise_on_failure=False)
+        result["model_verify_problems"] = [str(p) for p in checked.problems]
+        result["numeric"] = checked.numeric and dataclasses.asdict(checked.numeric)
+        result["verify_s"] = checked.seconds
     return result
 
 

@@ -4,6 +4,7 @@ put back together from the ranks' pieces is compared with the logical one."""
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -79,11 +80,33 @@ def wide(x: Any) -> Any:
     return x
 
 
+_AUGMENTED = (
+    "add",
+    "and",
+    "concat",
+    "floordiv",
+    "lshift",
+    "matmul",
+    "mod",
+    "mul",
+    "or",
+    "pow",
+    "rshift",
+    "sub",
+    "truediv",
+    "xor",
+)
+# Python's augmented assignments (x += y, x &= m) as Dynamo records them; operator.and_ and or_ are not in place.
+_OPERATOR_IN_PLACE = frozenset(getattr(operator, f"i{op}") for op in _AUGMENTED)
+
+
 def in_place(node: fx.Node) -> bool:
+    if node.op not in ("call_method", "call_function"):
+        return False
+    if getattr(node.target, "__module__", None) in ("_operator", "operator"):
+        return node.target in _OPERATOR_IN_PLACE
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return node.op in ("call_method", "call_function") and (
-        (name.endswith("_") and not name.startswith("_")) or node.kwargs.get("inplace") is True
-    )
+    return (name.endswith("_") and not name.startswith("_")) or node.kwargs.get("inplace") is True
 
 
 def natural(name: str) -> tuple:

@@ -102,8 +102,15 @@ class _Run:
         self.outputs = graph["outputs"]
         self.reduced: dict[str, list[tuple[int, str]]] = {}  # value -> its backward collectives (mesh dim, kind)
         stepped = {(n, s["mesh_dim"]) for n, m in self.moves.items() for s in m["steps"] if s.get("backward")}
+        # A replicated value cut locally (R -> S) whose cotangent the program gathers whole in the
+        # backward (DTensor's backward of that move) although the file's step states none: on each
+        # rank the cut's own backward pads its piece with zeros, so the gather is their sum.
+        self.gathered: set[tuple[str, int]] = set()
         for c in graph["collectives"]:  # not a move step's own backward: a reduction of the cotangent
             if c.get("direction") == "backward" and (c.get("origin"), c.get("mesh_dim")) not in stepped:
+                if c["kind"] == "all_gather" and self._cut_from_replicated(c.get("origin"), c.get("mesh_dim")):
+                    self.gathered.add((c["origin"], c["mesh_dim"]))
+                    continue
                 self.reduced.setdefault(c.get("origin"), []).append((c["mesh_dim"], c["kind"]))
         self.logical: dict[str, Any] = {}  # trace node -> its value on the whole tensors
         self.ranks: dict[str, list] = {}  # trace node (unpaired) or file value -> each rank's piece
@@ -142,6 +149,11 @@ class _Run:
                 return name
             name = v["reads"][0]
 
+    def _cut_from_replicated(self, name: str | None, mesh_dim: int | None) -> bool:
+        move = self.moves.get(name)
+        steps = [s for s in move["steps"] if s["mesh_dim"] == mesh_dim] if move else []
+        return len(steps) == 1 and steps[0]["src"] == "R" and steps[0]["dst"].startswith("S")
+
     def pieces(self, name: str) -> list:
         """Each rank's piece of file value `name`: moves and marks made on the way."""
         if name in self.ranks:
@@ -152,6 +164,8 @@ class _Run:
         src = self.pieces(v["reads"][0])
         if v["kind"] == "move":
             for s in self.moves[name]["steps"]:
+                if (name, s["mesh_dim"]) in self.gathered:
+                    src = P.reduce_in_backward(src, self.mesh, s["mesh_dim"])
                 src = P.step(src, self.mesh, s["mesh_dim"], s["src"], s["dst"], s.get("backward"))
         else:  # a gradient mark or another one-read op of the compiler: the identity forward
             src = [x.clone() if x.requires_grad else x for x in src]
