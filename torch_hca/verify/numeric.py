@@ -154,6 +154,17 @@ class _Run:
         steps = [s for s in move["steps"] if s["mesh_dim"] == mesh_dim] if move else []
         return len(steps) == 1 and steps[0]["src"] == "R" and steps[0]["dst"].startswith("S")
 
+    def _reduced_above(self, name: str, mesh_dim: int) -> bool:
+        """Whether value `name`, or a value it comes from through ops of one read, sums its cotangent on `mesh_dim`."""
+        while name in self.values:
+            if any(dim == mesh_dim for dim, _ in self.reduced.get(name, [])):
+                return True
+            reads = self.values[name]["reads"]
+            if len(reads) != 1:
+                return False
+            name = reads[0]
+        return False
+
     def pieces(self, name: str) -> list:
         """Each rank's piece of file value `name`: moves and marks made on the way."""
         if name in self.ranks:
@@ -166,6 +177,11 @@ class _Run:
             for s in self.moves[name]["steps"]:
                 if (name, s["mesh_dim"]) in self.gathered:
                     src = P.reduce_in_backward(src, self.mesh, s["mesh_dim"])
+                if s["src"] == "R" and s["dst"] == "P(sum)" and self._reduced_above(v["reads"][0], s["mesh_dim"]):
+                    # The move's cotangent arrives whole on every rank (DTensor's backward of R -> P); where
+                    # it meets partial cotangents that a reduction above sums, DTensor adds it as a partial
+                    # (whole / n on each rank), so that the sum counts it once.
+                    src = P.divide_in_backward(src, self.mesh.sizes[s["mesh_dim"]])
                 src = P.step(src, self.mesh, s["mesh_dim"], s["src"], s["dst"], s.get("backward"))
         else:  # a gradient mark or another one-read op of the compiler: the identity forward
             src = [x.clone() if x.requires_grad else x for x in src]
@@ -223,16 +239,13 @@ class _Run:
         self.logical[node.name] = out
         tensors = [a for a in node.all_input_nodes if isinstance(self.logical.get(a.name), torch.Tensor)]
         tuples = [a for a in node.all_input_nodes if isinstance(self.logical.get(a.name), (tuple, list))]
-        if node.target is operator.getitem and tuples:
-            source = tuples[0]
-            parts = [t[node.args[1]] for t in self.ranks[source.name]] if source.name in self.ranks else None
-        elif not isinstance(out, torch.Tensor):
+        piece = node.target is operator.getitem and bool(tuples)
+        if not piece and not isinstance(out, torch.Tensor):
             if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
                 self.ranks[node.name] = self._run_ranks(node, tensors, None, out)
             return None
-        else:
-            parts = None
         name = self._pair(node, out, tensors)
+        parts = self._piece(node, tuples[0], name) if piece else None
         if parts is None:
             parts = self._run_ranks(node, tensors, name, out)
         if name is None:
@@ -243,6 +256,16 @@ class _Run:
         parts = self._reduced(name, parts)
         self.ranks[name] = parts
         return self._compare(name, parts, out)
+
+    def _piece(self, node: fx.Node, source: fx.Node, name: str | None) -> list | None:
+        """Each rank's item of tuple op `source` (split, chunk) that getitem `node` takes; None where no rank ran it."""
+        reads = self.values[name]["reads"] if name else []
+        if any(self.values.get(r, {}).get("kind") == "move" for r in reads):
+            # The compiler wrote this piece as its own op reading a moved value (gathered first, under
+            # layout="dtensor"): the tuple op again, on the pieces the file moved.
+            inputs = [a for a in source.all_input_nodes if isinstance(self.logical.get(a.name), torch.Tensor)]
+            return [t[node.args[1]] for t in self._run_ranks(source, inputs, name, self.logical[source.name])]
+        return [t[node.args[1]] for t in self.ranks[source.name]] if source.name in self.ranks else None
 
     def _compare(self, name: str, parts: list, out: torch.Tensor, placements=None, what="value") -> Problem | None:
         placements = placements or self._at(name)

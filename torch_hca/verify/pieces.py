@@ -237,6 +237,12 @@ def step(pieces: Pieces, mesh: Mesh, dim: int, a: str, b: str, backward_kind: st
     return list(_Collective.apply(fwd, bwd, *pieces))
 
 
+def divide_in_backward(pieces: Pieces, n: int) -> Pieces:
+    """The identity forward; in the backward, each rank's cotangent divided by `n` (a whole
+    cotangent added to partial ones as a partial of its own)."""
+    return list(_Collective.apply(lambda xs: [x.clone() for x in xs], lambda gs: [g / n for g in gs], *pieces))
+
+
 def reduce_in_backward(pieces: Pieces, mesh: Mesh, dim: int) -> Pieces:
     """The identity forward; in the backward, the cotangents summed over each group of `dim`
     (a gradient or cotangent reduction the file states: an all_reduce in the backward)."""
