@@ -13,6 +13,7 @@ import model_zoo
 
 TOL = 1e-5
 ZOO_PLANS = ["dp", "megatron", "fsdp"]
+GENERATE_MODELS = ["gpt2", "llama", "mistral"]
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +74,11 @@ def test_eager_train_and_eval_at_4_ranks(worlds):
 
 @pytest.fixture(scope="module")
 def generated(worlds):
-    return worlds(2).run(eager_cases.hf_generate, ["gpt2", "llama", "mistral"], ["dp", "megatron"])
+    return worlds(2).run(eager_cases.hf_generate, GENERATE_MODELS, ["dp", "megatron"])
 
 
 @pytest.mark.parametrize("plan_name", ["dp", "megatron"])
-@pytest.mark.parametrize("model_name", ["gpt2", "llama", "mistral"])
+@pytest.mark.parametrize("model_name", GENERATE_MODELS)
 def test_generate_gives_one_devices_tokens(generated, model_name, plan_name):
     """Greedy and sampled (same seed) generate() with the KV cache, on the sharded model and
     through its torch.compile wrapper, give one device's tokens for the same rows."""
@@ -99,7 +100,9 @@ def test_save_pretrained_writes_the_whole_model_once(worlds, tmp_path):
 
 def test_eager_dropout_draws_as_one_device_and_differently_seeded_ranks_are_named(worlds):
     same = worlds(2).run(eager_cases.eager_dropout, True)
-    assert all(r == {"err": 0.0} for r in same), same
+    # The same masks: a mask drawn differently is off by O(1); a rank's rows against the whole batch's
+    # matmul may round differently (seen: 1e-7 on another machine's BLAS).
+    assert all(set(r) == {"err"} and r["err"] <= 1e-6 for r in same), same
     differ = worlds(2).run(eager_cases.eager_dropout, False)
     for r in differ:
         assert "rank(s) [1] differs from rank 0's" in r["error"] and "torch.manual_seed" in r["error"], r

@@ -31,6 +31,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import gradients
 from . import pieces as P
 from .retrace import capture
 from .float64 import METHODS, RTOL, differs, flat, float64, in_place, natural, scale, wide
@@ -371,7 +372,9 @@ class _Run:
             elif target in _DROPOUTS:
                 results.append(args[0])
             elif target in _EMBEDDINGS and name:
-                results.append(self._embedding(node, args, kwargs, r, local))
+                weight = node.args[1] if len(node.args) > 1 else node.kwargs["weight"]
+                rows = self.logical[weight.name].shape[0]
+                results.append(P.lookup(target, args, kwargs, local[weight.name][1], self.mesh, r, rows))
             elif node.op == "call_method":
                 results.append(getattr(args[0], target)(*args[1:], **kwargs))
             else:
@@ -380,23 +383,6 @@ class _Run:
                 except RuntimeError as e:  # may be the file's placements, or an op this check cannot cut
                     raise P.NotSimulated(f"rank {r}: {str(e).splitlines()[0][:120]}") from e
         return results
-
-    def _embedding(self, node: fx.Node, args, kwargs, rank: int, local: dict) -> torch.Tensor:
-        """A lookup in a table cut by rows (Shard(0)): each rank looks up the rows it holds, zeros
-        elsewhere (a Partial result); any other table, the plain lookup."""
-        ids, table = args[0], args[1] if len(args) > 1 else kwargs["weight"]
-        weight = node.args[1] if len(node.args) > 1 else node.kwargs["weight"]
-        rows = [m for m, p in enumerate(local[weight.name][1] or []) if p == "S(0)"]
-        if not rows:
-            return node.target(*args, **kwargs)
-        if len(rows) > 1 or len(args) > 2 or kwargs:
-            raise P.NotSimulated("a lookup with options, or in a table cut by rows on several mesh dims")
-        m = rows[0]
-        whole = self.logical[weight.name].shape[0]
-        start = min(self.mesh.coords[rank][m] * -(-whole // self.mesh.sizes[m]), whole)
-        outside = (ids < start) | (ids >= start + table.shape[0])
-        found = node.target((ids - start).masked_fill(outside, 0), table)
-        return found * (~outside).unsqueeze(-1).to(found.dtype)
 
     def _outputs(self) -> list[Problem]:
         self.results = []
@@ -419,49 +405,5 @@ class _Run:
             self.results.append((node, parts, o["placements"]))
         return []
 
-    # ------------------------------------------------------------------------- backward
-
     def backward(self) -> list[Problem]:
-        """One backward from seeded random cotangents; each parameter's gradient as the file stores it."""
-        if self.skipped or not self.leaves:
-            return []
-        outs, cots, whole_outs, whole_cots = [], [], [], []
-        for node, parts, placements in self.results:
-            logical = self.logical[node.name]
-            if not logical.requires_grad or not logical.is_floating_point():
-                continue
-            g = torch.randn(tuple(logical.shape), dtype=logical.dtype, generator=self.gen)
-            whole_outs.append(logical)
-            whole_cots.append(g)
-            given = [p if p.startswith(("S", "R")) else "R" for p in placements]  # a Partial's cotangent: whole
-            for piece, cot in zip(parts, P.cut(g, given, self.mesh)):
-                if piece.requires_grad:
-                    outs.append(piece)
-                    cots.append(cot)
-        if not whole_outs:
-            return []
-        names = sorted(self.leaves)
-        wholes = [self.leaves[n][0] for n in names]
-        want = torch.autograd.grad(whole_outs, wholes, whole_cots, allow_unused=True)
-        try:
-            torch.autograd.backward(outs, cots)
-        except P.NotSimulated as e:
-            self.summary.skipped.append(f"{self.where} gradients ({e})")
-            return []
-        found = []
-        for n, w in zip(names, want):
-            whole, parts, v = self.leaves[n]
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parts]
-            placements = list(v["placements"])
-            if v.get("cotangent_role") == "deferred":
-                placements = ["P(sum)" if p == "R" else p for p in placements]
-            w = w if w is not None else torch.zeros_like(whole)
-            self.summary.gradients += 1
-            problem = self._compare(n, grads, w, placements, "gradient")
-            if problem is not None:
-                found.append(problem)
-        return found[:1] + (
-            [Problem(self.where, "numerical refinement", f"{len(found) - 1} more gradients differ", "(not listed)")]
-            if len(found) > 1
-            else []
-        )
+        return gradients.check(self)

@@ -248,3 +248,19 @@ def reduce_in_backward(pieces: Pieces, mesh: Mesh, dim: int) -> Pieces:
     (a gradient or cotangent reduction the file states: an all_reduce in the backward)."""
     bwd = per_group(mesh, dim, lambda gs: [torch.stack(gs).sum(0)] * len(gs))
     return list(_Collective.apply(lambda xs: [x.clone() for x in xs], bwd, *pieces))
+
+
+def lookup(target, args, kwargs, placements, mesh: Mesh, rank: int, rows: int) -> torch.Tensor:
+    """An embedding lookup on `rank`: in a table cut by rows (Shard(0)) each rank looks up the rows it
+    holds, zeros elsewhere (a Partial result); in any other table, the plain lookup. `rows`: the whole table's."""
+    ids, table = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+    by_rows = [m for m, p in enumerate(placements or []) if p == "S(0)"]
+    if not by_rows:
+        return target(*args, **kwargs)
+    if len(by_rows) > 1 or len(args) > 2 or kwargs:
+        raise NotSimulated("a lookup with options, or in a table cut by rows on several mesh dims")
+    m = by_rows[0]
+    start = min(mesh.coords[rank][m] * -(-rows // mesh.sizes[m]), rows)
+    outside = (ids < start) | (ids >= start + table.shape[0])
+    found = target((ids - start).masked_fill(outside, 0), table)
+    return found * (~outside).unsqueeze(-1).to(found.dtype)
