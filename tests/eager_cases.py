@@ -118,10 +118,15 @@ def causal_lm(name: str) -> torch.nn.Module:
         return T.LlamaForCausalLM(T.LlamaConfig(**gqa, **common)).eval()
     if name == "mistral":  # a sliding window shorter than the sequence: an explicit 4-D attention mask
         return T.MistralForCausalLM(T.MistralConfig(**gqa, sliding_window=8, **common)).eval()
+    if name == "mixtral":  # mixture of experts: 4 experts, 2 a token, HF's default (grouped) kernel
+        config = T.MixtralConfig(**gqa, num_local_experts=4, num_experts_per_tok=2, **common)
+        return T.MixtralForCausalLM(config).eval()
     raise KeyError(name)
 
 
 def _megatron(name: str) -> dict:
+    if name == "mixtral":  # Megatron attention, the experts replicated (tests/test_moe.py stores them split)
+        return {"model.layers.*.self_attn.[qkv]_proj.*": Shard(0), "model.layers.*.self_attn.o_proj.weight": Shard(1)}
     zoo_name = "gpt2" if name == "gpt2" else "llama"  # Mistral's parameter names are Llama's
     return {pattern.removeprefix("hf."): layout for pattern, layout in model_zoo.MEGATRON[zoo_name].items()}
 
@@ -205,3 +210,54 @@ def eager_dropout(same_seed: bool) -> dict[str, Any]:
         return {"error": str(e)}
     torch.manual_seed(5)
     return {"err": rel_err(got, ref(x).chunk(dist.get_world_size())[rank])}
+
+
+# Ops DTensor has no sharding rule for (tests/test_eager_calls.py): one out of place, one in place.
+@torch.library.custom_op("hca_tests::plus_one", mutates_args=())
+def plus_one(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+@plus_one.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("hca_tests::add_one_", mutates_args=("x",))
+def add_one_(x: torch.Tensor) -> None:
+    x.add_(1)
+
+
+class NoRule(torch.nn.Module):
+    """A linear layer, then ops DTensor has no rule for: a custom op and `nonzero` (its result's
+    shape depends on the data), or the custom op writing in place."""
+
+    def __init__(self, in_place: bool):
+        super().__init__()
+        self.lin, self.in_place = torch.nn.Linear(8, 8), in_place
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.in_place:
+            add_one_(h)
+            return h
+        return plus_one(h) * (h > 0).nonzero().shape[0]
+
+
+def eager_no_rule(in_place: bool) -> dict[str, Any]:
+    """`NoRule` called eagerly under data parallelism (batch split): its rows and the collectives
+    DTensor ran against one device, or the `UnsupportedError` it raised."""
+    hca.init_mesh()
+    torch.manual_seed(0)
+    ref = NoRule(in_place)
+    model = hca.sharded({}, inputs=Shard(0), outputs=Shard(0))(copy.deepcopy(ref))
+    x = torch.randn(8, 8)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        with torch.no_grad(), collectives_called() as calls:
+            got = model(x.chunk(world)[rank])
+    except hca.UnsupportedError as e:
+        return {"error": str(e)}
+    with torch.no_grad():
+        want = ref(x).chunk(world)[rank]
+    return {"err": rel_err(got, want), "calls": dict(calls)}

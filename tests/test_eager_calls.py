@@ -13,7 +13,7 @@ import model_zoo
 
 TOL = 1e-5
 ZOO_PLANS = ["dp", "megatron", "fsdp"]
-GENERATE_MODELS = ["gpt2", "llama", "mistral"]
+GENERATE_MODELS = ["gpt2", "llama", "mistral", "mixtral"]
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +106,16 @@ def test_eager_dropout_draws_as_one_device_and_differently_seeded_ranks_are_name
     differ = worlds(2).run(eager_cases.eager_dropout, False)
     for r in differ:
         assert "rank(s) [1] differs from rank 0's" in r["error"] and "torch.manual_seed" in r["error"], r
+
+
+def test_an_op_dtensor_has_no_rule_for_runs_whole_or_is_named(worlds):
+    """An op DTensor cannot shard (a custom op; nonzero, whose shape depends on the data) runs whole on
+    every rank, its split input gathered, equal to one device; one that writes in place into a split
+    value is an `UnsupportedError` naming it and the fix, not DTensor's RuntimeError."""
+    for r in worlds(2).run(eager_cases.eager_no_rule, False):
+        assert r["err"] <= TOL, r
+        # The split h gathered once for each op DTensor has no rule for (the custom op, nonzero).
+        assert r["calls"] == {"all_gather_single": 2}, r
+    for r in worlds(2).run(eager_cases.eager_no_rule, True):
+        assert "'hca_tests::add_one_'" in r["error"] and "Shard(dim=0)" in r["error"], r
+        assert "out of place" in r["error"], r
