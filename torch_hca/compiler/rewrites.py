@@ -60,16 +60,16 @@ def _run_whole(func, args, kwargs, error: BaseException):
     schema = getattr(func, "_schema", None)  # a torch.ops operator (a custom op, say)
     name = schema.name if schema is not None else getattr(func, "__name__", str(func))
     writes = schema.is_mutable if schema is not None else name.endswith("_") and not name.endswith("__")
-    spread = {
-        i: a.placements
-        for i, a in enumerate(tree_leaves((args, kwargs)))
+    spread = [
+        a.placements
+        for a in tree_leaves((args, kwargs))
         if isinstance(a, DTensor) and not all(p.is_replicate() for p in a.placements)
-    }
+    ]
     if spread and (writes or "out" in kwargs):
         raise UnsupportedError(
             f"an eager call of a sharded forward: DTensor has no sharding rule for the in-place op {name!r} "
             f"({str(error).splitlines()[0][:160]}), and it writes into a value laid out as "
-            f"{list(spread.values())[0]}: run whole, it would write into a gathered copy. Write it out of place "
+            f"{spread[0]}: run whole, it would write into a gathered copy. Write it out of place "
             "(y = op(x) in place of op_(x)), or call the model through torch.compile(..., backend='hca')"
         ) from error
     return dtensor_ops.run_local("function", dtensor_ops.local_function(func), None, *args, **kwargs)

@@ -13,7 +13,7 @@ from .rules import Problem
 
 
 def check(run: Any) -> list[Problem]:
-    """`run`: a `numeric._Run` whose forward ran to its outputs (`run.results`), else nothing to check."""
+    """`run`: a `numeric._Run` whose forward ran to its outputs (`run.results`); its `compare` puts pieces back together."""
     if run.skipped or not run.leaves:
         return []
     outs, cots, whole_outs, whole_cots = [], [], [], []
@@ -46,7 +46,7 @@ def check(run: Any) -> list[Problem]:
         if v.get("cotangent_role") == "deferred":  # replicated here, summed later by hca.reduce_gradients
             placements = ["P(sum)" if p == "R" else p for p in placements]
         run.summary.gradients += 1
-        problem = run._compare(n, grads, w if w is not None else torch.zeros_like(whole), placements, "gradient")
+        problem = run.compare(n, grads, w if w is not None else torch.zeros_like(whole), placements, "gradient")
         if problem is not None:
             found.append(problem)
     more = len(found) - 1

@@ -256,7 +256,7 @@ class _Run:
             return None
         parts = self._reduced(name, parts)
         self.ranks[name] = parts
-        return self._compare(name, parts, out)
+        return self.compare(name, parts, out)
 
     def _piece(self, node: fx.Node, source: fx.Node, name: str | None) -> list | None:
         """Each rank's item of tuple op `source` (split, chunk) that getitem `node` takes; None where no rank ran it."""
@@ -268,7 +268,7 @@ class _Run:
             return [t[node.args[1]] for t in self._run_ranks(source, inputs, name, self.logical[source.name])]
         return [t[node.args[1]] for t in self.ranks[source.name]] if source.name in self.ranks else None
 
-    def _compare(self, name: str, parts: list, out: torch.Tensor, placements=None, what="value") -> Problem | None:
+    def compare(self, name: str, parts: list, out: torch.Tensor, placements=None, what="value") -> Problem | None:
         placements = placements or self._at(name)
         shapes = {tuple(p.shape) for p in parts}
         try:
@@ -399,7 +399,7 @@ class _Run:
             for d, (a, b) in enumerate(zip(at, o["placements"])):
                 if a != b:
                     parts = P.step(parts, self.mesh, d, a, b, None)
-            problem = self._compare(o["value"], parts, self.logical[node.name], o["placements"], "output")
+            problem = self.compare(o["value"], parts, self.logical[node.name], o["placements"], "output")
             if problem is not None:
                 return [problem]
             self.results.append((node, parts, o["placements"]))
