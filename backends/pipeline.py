@@ -40,7 +40,7 @@ from torch_hca.spmd.collective_nodes import OPS, node_group, node_payload, paylo
 from torch_hca.compiler.options import Options
 from torch_hca.compiler.parameters import parameter_name
 from torch_hca.errors import HCAError, UnsupportedError
-from torch_hca.compiler.lifting import dtensor_failure
+from torch_hca.compiler.dtensor_failures import dtensor_failure
 from torch_hca.compiler.randomness import generators_kept, without_dead_draws
 from torch_hca.compiler.checks.spmd_check import check_same_collectives
 from torch_hca.compiler.checks.refinement import check_refinement

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import torch_hca as hca
-from torch_hca.tools.bench_real import MEGATRON, gpt2_small
+from torch_hca.tools.real_models import MEGATRON, gpt2_small
 
 from dist_cases import fake_world
 
@@ -82,7 +82,7 @@ def _fake_world_2():
 
 @pytest.fixture
 def fake_pg_2_full_size():
-    """GPT-2 small's blocks (`N_LAYER` of them) on Megatron storage (`bench_real.MEGATRON`), one row of 64 tokens."""
+    """GPT-2 small's blocks (`N_LAYER` of them) on Megatron storage (`real_models.MEGATRON`), one row of 64 tokens."""
     with _fake_world_2():
         model = hca.sharded(MEGATRON["gpt2_small"], inputs=Replicate(), outputs=Replicate())(gpt2_small(layers=N_LAYER))
         yield _compiled(model, torch.randint(0, 50257, (1, 64)))
@@ -101,14 +101,41 @@ def test_llama_megatron_program_is_vocabulary_parallel(fake_pg_2_llama):
     assert "stored 16 of 21 parameters sharded" in rep.parallelism()
 
 
+def test_llama_megatron_loss_in_the_module_gathers_no_logits(fake_pg_2_llama_loss):
+    """The same model with its next-token loss in the compiled module (`real_models.LossOf`, as the
+    bench's hca_megatron runs it): the head's logits stay split by classes and the loss is computed
+    where they lie: each rank's log-sum-exp per row gathered (63 rows x 2 ranks), the target logits
+    and the loss summed. Nothing of the 8 MB of logits moves."""
+    rep = fake_pg_2_llama_loss
+    forward = [(c.kind, c.bytes) for c in rep.collectives if c.direction == "forward"]
+    assert rep.collective_counts("forward") == {"all_reduce": 2 * N_LAYER + 1 + 1, "all_gather": 1}, forward
+    assert [b for k, b in forward if k == "all_gather"] == [63 * 2 * 4]
+    assert max(b for _, b in forward) == 64 * 768 * 4  # a hidden state: the lookup's and blocks' sums
+    # The backward is the logits-out program's: the loss adds no collective to it.
+    assert rep.collective_counts("backward") == {"all_reduce": 2 * N_LAYER + 1, "all_gather": N_LAYER}
+
+
+def _llama(loss_inside: bool):
+    from torch_hca.tools.real_models import LossOf, llama_100m
+
+    module = llama_100m()
+    module.hf.model.layers = module.hf.model.layers[:N_LAYER]
+    return LossOf(module.hf) if loss_inside else module
+
+
 @pytest.fixture
 def fake_pg_2_llama():
-    """`bench_real.llama_100m` with `N_LAYER` blocks on Megatron storage, one row of 64 tokens."""
-    from torch_hca.tools.bench_real import llama_100m
-
+    """`real_models.llama_100m` with `N_LAYER` blocks on Megatron storage, one row of 64 tokens."""
     with _fake_world_2():
-        module = llama_100m()
-        module.hf.model.layers = module.hf.model.layers[:N_LAYER]
+        module = _llama(loss_inside=False)
         table_bytes = module.hf.model.embed_tokens.weight.numel() * 4
         model = hca.sharded(MEGATRON["llama_100m"], inputs=Replicate(), outputs=Replicate())(module)
         yield _compiled(model, torch.randint(0, 32000, (1, 64))), table_bytes
+
+
+@pytest.fixture
+def fake_pg_2_llama_loss():
+    """As `fake_pg_2_llama`, the loss in the module."""
+    with _fake_world_2():
+        model = hca.sharded(MEGATRON["llama_100m"], inputs=Replicate(), outputs=Replicate())(_llama(loss_inside=True))
+        yield _compiled(model, torch.randint(0, 32000, (1, 64)))

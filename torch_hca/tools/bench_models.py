@@ -268,6 +268,7 @@ class Built:
     run: Callable  # what runs the forward
     scale: float  # the loss scale that trains the same thing as one device on the full batch
     split: bool  # whether each rank gets its rows of the batch
+    loss_inside: bool = False  # `run` returns the loss itself (computed in the compiled module)
 
 
 def build(spec: Spec, contestant: str, ref: nn.Module, mesh, costs: dict, hca_options: dict | None = None) -> Built:
