@@ -16,6 +16,7 @@ VOCAB, ROWS, DIM = 8192, 64, 32  # logits 64 x 8192 (2 MB) against 64 x 32 (8 KB
 def test_a_vocabulary_split_head_computes_its_loss_where_the_classes_lie(worlds, world_size, reduction):
     for r in worlds(world_size).run(cross_entropy_cases.compiled_head_loss, VOCAB, reduction):
         assert r["loss_err"] <= TOL and max(r["grad_errs"].values()) <= TOL, r
+        assert r["verified"][0], r["verified"][1]
         assert "chunk_logsumexp" in r["program"] and "cross_entropy_pick" in r["program"], r["program"]
         # Forward: the looked-up rows summed, each rank's log-sum-exp gathered (one value per row and
         # rank), the loss summed (a scalar, or the per-row losses); backward: the hidden state's

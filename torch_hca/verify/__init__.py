@@ -168,7 +168,7 @@ def _against(model: nn.Module, data: dict, example_inputs: Any, result: Verifica
     if example_inputs is None:
         result.model = f"{name} (parameters only: no example inputs to re-trace)"
         return against_model(data, Traced(parameters=parameters_of(model)), graphs=False)
-    traced = trace(model, example_inputs)
+    traced = trace(model, example_inputs, data)
     found = against_model(data, traced)
     n = traced.compared
     result.model = (

@@ -31,7 +31,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import gradients
+from . import gradients, vocabulary
 from . import pieces as P
 from .retrace import capture
 from .float64 import METHODS, RTOL, differs, flat, float64, in_place, natural, scale, wide
@@ -71,6 +71,7 @@ def check(model: nn.Module, data: dict, example_inputs: Any, seed: int = 0) -> t
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(seed)
     graphs, names = capture(model, example_inputs, *float64(gen))
+    vocabulary.expand(graphs, data)  # the vocabulary-parallel loss, where the file lists it
     summary = Numeric()
     found: list[Problem] = []
     if len(graphs) != len(data["graphs"]):
@@ -375,6 +376,10 @@ class _Run:
                 weight = node.args[1] if len(node.args) > 1 else node.kwargs["weight"]
                 rows = self.logical[weight.name].shape[0]
                 results.append(P.lookup(target, args, kwargs, local[weight.name][1], self.mesh, r, rows))
+            elif target in vocabulary.PER_RANK and name and not kwargs:
+                at = [local[a.name][1] if isinstance(a, fx.Node) and a.name in local else None for a in node.args]
+                classes = self.logical[node.args[0].name].shape[1]
+                results.append(vocabulary.on_rank(target, args, at, self.mesh, r, classes))
             elif node.op == "call_method":
                 results.append(getattr(args[0], target)(*args[1:], **kwargs))
             else:

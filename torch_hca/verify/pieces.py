@@ -19,10 +19,12 @@ All of it is differentiable (cat, narrow, sum), so autograd runs each rank's bac
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 
 Pieces = list  # one tensor per rank, indexed by rank
 
@@ -252,15 +254,35 @@ def reduce_in_backward(pieces: Pieces, mesh: Mesh, dim: int) -> Pieces:
 
 def lookup(target, args, kwargs, placements, mesh: Mesh, rank: int, rows: int) -> torch.Tensor:
     """An embedding lookup on `rank`: in a table cut by rows (Shard(0)) each rank looks up the rows it
-    holds, zeros elsewhere (a Partial result); in any other table, the plain lookup. `rows`: the whole table's."""
-    ids, table = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+    holds, zeros elsewhere (a Partial result; a padding row is the padding row of the rank holding it);
+    in any other table, the plain lookup. `rows`: the whole table's."""
     by_rows = [m for m, p in enumerate(placements or []) if p == "S(0)"]
     if not by_rows:
         return target(*args, **kwargs)
-    if len(by_rows) > 1 or len(args) > 2 or kwargs:
+    options = _plain_lookup(target, args, kwargs)
+    if len(by_rows) > 1 or options is None:
         raise NotSimulated("a lookup with options, or in a table cut by rows on several mesh dims")
+    ids, table, padding = options
+    padding = padding + rows if padding is not None and padding < 0 else padding  # F.embedding's reading
     m = by_rows[0]
     start = min(mesh.coords[rank][m] * -(-rows // mesh.sizes[m]), rows)
     outside = (ids < start) | (ids >= start + table.shape[0])
-    found = target((ids - start).masked_fill(outside, 0), table)
+    local_pad = padding - start if padding is not None and 0 <= padding - start < table.shape[0] else None
+    found = F.embedding((ids - start).masked_fill(outside, 0), table, local_pad)
     return found * (~outside).unsqueeze(-1).to(found.dtype)
+
+
+def _plain_lookup(target, args, kwargs) -> tuple | None:
+    """(ids, table, padding_idx) of an ``F.embedding`` call with no option but a padding row (Dynamo
+    writes every default out), else None."""
+    if target is not F.embedding:
+        return (args[0], args[1], None) if len(args) == 2 and not kwargs else None
+    try:
+        bound = inspect.signature(F.embedding).bind(*args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    a = bound.arguments
+    if a["max_norm"] is not None or a["scale_grad_by_freq"] or a["sparse"]:
+        return None
+    return a["input"], a["weight"], a["padding_idx"]

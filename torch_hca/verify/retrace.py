@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch_hca.errors import StrategyError
 from torch_hca.spmd.placements import dtype_str, layout_str, layout_texts
 
+from . import vocabulary
 from .rules import Problem
 
 # Ops the compiler inserts into the program it lays out (inputs made DTensors, gradient reductions
@@ -67,10 +68,13 @@ def parameters_of(model: nn.Module) -> dict[str, dict]:
     return out
 
 
-def trace(model: nn.Module, example_inputs: Any) -> Traced:
-    """The model's logical program on `example_inputs` (the whole tensors one device would see)."""
+def trace(model: nn.Module, example_inputs: Any, data: dict | None = None) -> Traced:
+    """The model's logical program on `example_inputs` (the whole tensors one device would see);
+    with the file `data`, the vocabulary-parallel loss expanded where the file lists it (`vocabulary`)."""
     model = getattr(model, "_orig_mod", model)  # a torch.compile'd module: the module itself
     graphs, names = capture(model, example_inputs, _meta, _meta, _meta)
+    if data is not None:
+        vocabulary.expand(graphs, data)
     return _summary(model, graphs, names)
 
 
