@@ -104,3 +104,25 @@ def test_a_file_without_the_expansion_is_not_expanded():
     data = {"mesh": {"shape": [2]}, "model": {"parameters": {"w": {"shape": [8, 4], "placements": ["S(0)"]}}}}
     assert vocabulary.expand(graphs, {**data, "graphs": [{"values": {}}]}) == 0
     assert any(n.target is F.cross_entropy for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("padding_idx", [None, 2, 6, -1])
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_lookup_in_a_table_cut_by_rows_sums_to_the_whole_lookup(padding_idx, world):
+    """`pieces.lookup` on each rank (rows as torch.chunk cuts them, 7 rows over 2 or 3 ranks) summed
+    is the one-device lookup, its gradient too; the padding row gets no gradient on the rank holding it."""
+    from torch_hca.verify import pieces as P
+
+    torch.manual_seed(0)
+    table = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([[0, 2, 6], [3, 6, 1]])
+    mesh = P.Mesh([world], list(range(world)))
+    parts = [p.detach().requires_grad_() for p in torch.chunk(table.detach(), world)]
+    kwargs = {"padding_idx": padding_idx}
+    got = sum(P.lookup(F.embedding, (ids, parts[r]), kwargs, ["S(0)"], mesh, r, 7) for r in range(world))
+    want = F.embedding(ids, table, padding_idx)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    cot = torch.randn_like(want)
+    (got * cot).sum().backward()
+    (want * cot).sum().backward()
+    torch.testing.assert_close(torch.cat([p.grad for p in parts]), table.grad, rtol=1e-12, atol=1e-12)
