@@ -111,8 +111,13 @@ def test_llama_megatron_loss_in_the_module_gathers_no_logits(fake_pg_2_llama_los
     assert rep.collective_counts("forward") == {"all_reduce": 2 * N_LAYER + 1 + 1, "all_gather": 1}, forward
     assert [b for k, b in forward if k == "all_gather"] == [63 * 2 * 4]
     assert max(b for _, b in forward) == 64 * 768 * 4  # a hidden state: the lookup's and blocks' sums
-    # The backward is the logits-out program's: the loss adds no collective to it.
-    assert rep.collective_counts("backward") == {"all_reduce": 2 * N_LAYER + 1, "all_gather": N_LAYER}
+    # Backward: per block the cotangents of the attention's and the MLP's inputs summed once each
+    # (read through `reduce_cotangent`, Megatron's "f"), and the head's input: nothing gathered.
+    assert rep.collective_counts("backward") == {"all_reduce": 2 * N_LAYER + 1}
+    # Every weight gradient is the rank's piece: no matmul makes a whole 768 x 768 q or o gradient
+    # (before `reduce_cotangent`, o_proj's gathered its saved input and multiplied all of it).
+    mm = [n for n in rep.graphs[0].joint.graph.nodes if n.target is torch.ops.aten.mm.default]
+    assert mm and all(tuple(n.meta["val"].shape) != (768, 768) for n in mm)
 
 
 def _llama(loss_inside: bool):

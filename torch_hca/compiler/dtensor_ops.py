@@ -288,3 +288,25 @@ class _EagerGradient(torch.autograd.Function):
 def reduce_gradient_eagerly(p: DTensor) -> DTensor:
     """A parameter read whose gradient is reduced inside backward (the eager role)."""
     return _EagerGradient.apply(p)
+
+
+class _SumCotangent(torch.autograd.Function):
+    """Identity forward; backward sums the cotangent over the mesh dims `dims` where it arrives partial."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor, dims: tuple[int, ...]) -> DTensor:
+        ctx.dims = dims
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not isinstance(grad, DTensor):
+            return grad, None
+        summed = tuple(Replicate() if d in ctx.dims and p.is_partial() else p for d, p in enumerate(grad.placements))
+        return (grad.redistribute(grad.device_mesh, summed) if summed != tuple(grad.placements) else grad), None
+
+
+def reduce_cotangent(x: DTensor, dims: tuple[int, ...]) -> DTensor:
+    """A replicated activation read by column-parallel matmuls over mesh dims `dims`: its partial
+    cotangent is summed there, once, before the backward of the ops that made it (Megatron's "f")."""
+    return _SumCotangent.apply(x, dims)
