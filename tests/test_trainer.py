@@ -14,10 +14,10 @@ import trainer_cases  # noqa: E402
 TOL = 1e-5
 
 
-def test_three_data_parallel_steps_match_one_device(worlds):
+def test_four_data_parallel_steps_match_one_device(worlds):
     """Trainer's dataloader gives each rank its rows; the plan's data parallelism (no DDP) makes
-    the step one device's on the global batch: parameters, logged losses, the checkpoint and
-    evaluate()'s loss."""
+    the step one device's on the global batch (SGD with momentum): parameters, logged losses, the
+    checkpoint's model and evaluate()'s loss."""
     results = worlds(2).run(trainer_cases.train_like_one_device, {})
     r0, r1 = results
     assert r0["is_subclass"] and r0["wrapped"] == "GPT2LMHeadModel", r0  # not DistributedDataParallel
@@ -43,9 +43,34 @@ def test_unsupported_use_is_refused_with_the_fix(worlds):
         "compiled": r"UnsupportedError: hca.Trainer: model is what torch.compile returned; pass the sharded model",
         "replicated inputs": r"UnsupportedError: hca.Trainer: the plan has inputs=.*Replicate.*use inputs=Shard\(0\)",
         "sum": r'PlanError: hca.Trainer: the model is sharded with loss_reduction="sum".*loss_reduction="mean"',
-        "optimizer checkpoints": r"OptionsError: hca.Trainer: .*optimizer's state; pass .*save_only_model=True",
-        "no args": r"OptionsError: hca.Trainer: args=None; pass TrainingArguments\(..., save_only_model=True\)",
         "torch_compile": r"OptionsError: hca.Trainer: leave TrainingArguments' torch_compile",
+    }
+    for name, pattern in expected.items():
+        assert re.match(pattern, found[name]), (name, found[name])
+
+
+def test_resuming_from_a_checkpoint_continues_as_if_never_stopped(worlds):
+    """A fresh model and hca.Trainer resumed from checkpoint-2 (model, momentum, scheduler, RNG and
+    trainer state; the same run's, as a run stopped after step 2 leaves it) trains steps 3 and 4 as
+    the uninterrupted run did; without the optimizer's state it does not. A checkpoint that cannot
+    resume here is refused before any tensor is read, naming the fix."""
+    results = worlds(2).run(trainer_cases.resume_like_uninterrupted, {})
+    for r in results:
+        assert r["step"] == trainer_cases.STEPS, r
+        assert r["batches"][:2] == r["rows"][trainer_cases.SAVE_AT :], r  # steps 3 and 4 see the same rows
+        assert r["param_err"] <= TOL and r["reference_err"] <= TOL, r
+        assert len(r["logged"]) == trainer_cases.STEPS and r["loss_err"] <= TOL, r
+        assert r["forgetful_err"] > 100 * TOL, r  # the comparison sees momentum: the control fails it
+    found = results[0]["refused"]
+    assert results[1]["refused"] == found, results
+    fix = r"or start a new run from its weights: hca.sharded\(plan, ...\)\(\w+.from_pretrained\("
+    expected = {
+        "model only": r"CheckpointError: hca.Trainer: .* has no hca_state/ .*save_only_model=True.*" + fix,
+        "four ranks": r"CheckpointError: hca.Trainer: .* was written by 4 ranks and this run has 2; resume it with 4 ranks.*"
+        + fix,
+        "another plan": r"CheckpointError: hca.Trainer: .*parameter 'transformer.h.0.mlp.c_fc.weight' was saved laid out "
+        r"as \(R\) over a \(2,\) mesh and is \(S\(1\)\) over a \(2,\) mesh here: the checkpoint is of another plan; "
+        r"resume with the plan it was trained under, " + fix,
     }
     for name, pattern in expected.items():
         assert re.match(pattern, found[name]), (name, found[name])

@@ -17,9 +17,11 @@ from torch.distributed.tensor import Replicate, Shard
 
 import torch_hca as hca
 
-STEPS = 3
+STEPS = 4
+SAVE_AT = 2  # Trainer writes checkpoint-2 and checkpoint-4; the resumed run starts from checkpoint-2
 ROWS = 2  # per_device_train_batch_size
 LR = 0.1
+MOMENTUM = 0.9  # optimizer state a checkpoint must carry for the resumed run to continue exactly
 # SGD, not AdamW: the key bias of attention has a zero gradient (softmax ignores a shift) that comes
 # out as rounding noise, which Adam normalizes into steps of size lr, different on every program.
 
@@ -75,11 +77,11 @@ def _args(output_dir: str, **overrides):
         per_device_train_batch_size=ROWS,
         learning_rate=LR,
         optim="sgd",
+        optim_args=f"momentum={MOMENTUM}",
         lr_scheduler_type="constant",
         logging_steps=1,
         save_strategy="steps",
-        save_steps=STEPS,
-        save_only_model=True,  # a checkpoint is the model, written by its save_pretrained
+        save_steps=SAVE_AT,
         remove_unused_columns=False,  # the collator reads "row"
         use_cpu=True,
         disable_tqdm=True,
@@ -89,8 +91,8 @@ def _args(output_dir: str, **overrides):
 
 
 def _one_device(ref, ids: torch.Tensor, batches: list[list[int]]) -> list[float]:
-    """Trainer's step on one device: the model's loss, clipped to norm 1 (Trainer's default), SGD."""
-    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    """Trainer's step on one device: the model's loss, clipped to norm 1 (Trainer's default), SGD with momentum."""
+    opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
     losses = []
     for rows in batches:
         x = ids[rows]
@@ -103,25 +105,42 @@ def _one_device(ref, ids: torch.Tensor, batches: list[list[int]]) -> list[float]
     return losses
 
 
-def train_like_one_device(hca_options: dict) -> dict[str, Any]:
-    """3 Trainer steps of a data-parallel GPT-2; parameters, logged losses and the checkpoint vs one device."""
-    import transformers
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
 
+
+def _shared_dir() -> str:
+    out = [tempfile.mkdtemp(prefix="hca_trainer_")] if dist.get_rank() == 0 else [None]
+    dist.broadcast_object_list(out)
+    return out[0]
+
+
+def _logged(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+_RUNS: dict[str, dict[str, Any]] = {}  # this rank process's uninterrupted run, shared by the tests that use it
+
+
+def _uninterrupted(hca_options: dict) -> dict[str, Any]:
+    """STEPS Trainer steps of a data-parallel GPT-2 (checkpoints at SAVE_AT and STEPS) and the same on one device."""
+    key = repr(sorted(hca_options.items()))
+    if key in _RUNS:
+        return _RUNS[key]
     torch._dynamo.reset()
     threads = torch.get_num_threads()  # accelerate may set its own for CPU ranks: give the world back its own
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     mesh = hca.init_mesh()
     ref = _gpt2()
     model = hca.sharded({}, mesh=mesh, inputs=Shard(0), outputs=Shard(0), loss_reduction="mean")(copy.deepcopy(ref))
     ids = torch.randint(0, 128, (8 * ROWS * world, 16), generator=torch.Generator().manual_seed(1))
     evals = torch.randint(0, 128, (ROWS * world, 16), generator=torch.Generator().manual_seed(2))
-    out = [tempfile.mkdtemp(prefix="hca_trainer_")] if rank == 0 else [None]
-    dist.broadcast_object_list(out)
+    out = _shared_dir()
     collator = _RecordingCollator()
     try:
         trainer = hca.Trainer(
             model=model,
-            args=_args(out[0]),
+            args=_args(out),
             train_dataset=_Rows(ids),
             eval_dataset=_Rows(evals),
             data_collator=collator,
@@ -137,32 +156,132 @@ def train_like_one_device(hca_options: dict) -> dict[str, Any]:
     dist.all_gather_object(everyone, mine)
     global_batches = [sum((everyone[r][k] for r in range(world)), []) for k in range(STEPS)]
     losses = _one_device(ref, ids, global_batches)
-    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     with torch.no_grad():
         eval_loss = ref(input_ids=evals, labels=evals).loss.item()
-
-    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-        return ((a - b).norm() / b.norm()).item()
-
-    expected = dict(ref.named_parameters())
-    errs = {n: rel(p.full_tensor(), expected[n].detach()) for n, p in model.named_parameters()}
-    param_err = max(errs.values())
-    saved_err = None
-    if rank == 0:  # the checkpoint Trainer wrote (every rank joined the gather), loaded on one device
-        saved = transformers.GPT2LMHeadModel.from_pretrained(os.path.join(out[0], f"checkpoint-{STEPS}"))
-        saved_err = max(rel(p.detach(), expected[n].detach()) for n, p in saved.named_parameters())
-    return {
+    _RUNS[key] = {
+        "out": out,
+        "ids": ids,
         "rows": mine,
         "global_batches": global_batches,
-        "param_err": param_err,
+        "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+        "reference": {n: p.detach().clone() for n, p in ref.named_parameters()},
+        "losses": losses,
+        "logged": _logged(trainer),
+        "eval_loss": evaluated["eval_loss"],
+        "reference_eval_loss": eval_loss,
+        "wrapped": type(trainer.model_wrapped).__name__,
+        "collectives": trained_with,
+    }
+    return _RUNS[key]
+
+
+def train_like_one_device(hca_options: dict) -> dict[str, Any]:
+    """STEPS Trainer steps of a data-parallel GPT-2; parameters, logged losses and the checkpoint vs one device."""
+    import transformers
+
+    run = _uninterrupted(hca_options)
+    expected = run["reference"]
+    errs = {n: _rel(p, expected[n]) for n, p in run["params"].items()}
+    saved_err = None
+    if dist.get_rank() == 0:  # the checkpoint Trainer wrote (every rank joined the gather), loaded on one device
+        saved = transformers.GPT2LMHeadModel.from_pretrained(os.path.join(run["out"], f"checkpoint-{STEPS}"))
+        saved_err = max(_rel(p.detach(), expected[n]) for n, p in saved.named_parameters())
+    logged, losses = run["logged"], run["losses"]
+    return {
+        "rows": run["rows"],
+        "global_batches": run["global_batches"],
+        "param_err": max(errs.values()),
         "param_errs": errs,
         "loss_err": max(abs(a - b) / abs(b) for a, b in zip(logged, losses)),
         "logged": logged,
         "saved_err": saved_err,
-        "eval_err": abs(evaluated["eval_loss"] - eval_loss) / eval_loss,
-        "wrapped": type(trainer.model_wrapped).__name__,
-        "collectives": trained_with,
+        "eval_err": abs(run["eval_loss"] - run["reference_eval_loss"]) / run["reference_eval_loss"],
+        "wrapped": run["wrapped"],
+        "collectives": run["collectives"],
         "is_subclass": issubclass(hca.Trainer, transformers.Trainer),
+    }
+
+
+def _resuming_trainer(run: dict, plan: dict, collator=None):
+    mesh = hca.init_mesh()
+    model = hca.sharded(plan, mesh=mesh, inputs=Shard(0), outputs=Shard(0), loss_reduction="mean")(_gpt2())
+    return hca.Trainer(
+        model=model,
+        args=_args(_shared_dir()),
+        train_dataset=_Rows(run["ids"]),
+        data_collator=collator or _RecordingCollator(),
+    )
+
+
+def _refused(trainer, checkpoint: str) -> str:
+    try:
+        trainer.train(resume_from_checkpoint=checkpoint)
+    except hca.HCAError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _damaged_copies(checkpoint: str) -> dict[str, str]:
+    """Rank 0 writes, every rank gets: checkpoint-2 without its hca_state, and one whose manifest says 4 ranks."""
+    import json
+    import shutil
+
+    paths = [None, None]
+    if dist.get_rank() == 0:
+        root = tempfile.mkdtemp(prefix="hca_trainer_bad_")
+        paths = [os.path.join(root, "model-only"), os.path.join(root, "four-ranks")]
+        shutil.copytree(checkpoint, paths[0], ignore=shutil.ignore_patterns("hca_state"))
+        shutil.copytree(checkpoint, paths[1])
+        state = os.path.join(paths[1], "hca_state")
+        with open(os.path.join(state, "LATEST")) as f:
+            manifest_file = os.path.join(state, f.read().strip(), "hca.json")
+        with open(manifest_file) as f:
+            manifest = json.load(f)
+        manifest["world_size"] = 4
+        with open(manifest_file, "w") as f:
+            json.dump(manifest, f)
+    dist.broadcast_object_list(paths)
+    return {"model only": paths[0], "four ranks": paths[1]}
+
+
+def resume_like_uninterrupted(hca_options: dict) -> dict[str, Any]:
+    """A fresh model and Trainer resumed from checkpoint-SAVE_AT to STEPS vs the uninterrupted run; then
+    the refusals of checkpoints that cannot resume, and the same resume without the optimizer's state."""
+    run = _uninterrupted(hca_options)
+    checkpoint = os.path.join(run["out"], f"checkpoint-{SAVE_AT}")
+    # A resumed run starts in a new process, with Dynamo's memory empty: without this reset the
+    # new model's mesh index, another int than the first run's, is traced as a symbol.
+    torch._dynamo.reset()
+    threads = torch.get_num_threads()
+    collator = _RecordingCollator()
+    refused = {}
+    try:
+        trainer = _resuming_trainer(run, {}, collator)
+        trainer.train(resume_from_checkpoint=checkpoint)
+        resumed = {n: p.full_tensor().detach().clone() for n, p in trainer.model.named_parameters()}
+        logged, step = _logged(trainer), trainer.state.global_step
+        for name, path in _damaged_copies(checkpoint).items():
+            refused[name] = _refused(trainer, path)
+        other_plan = _resuming_trainer(run, {"transformer.h.*.mlp.c_fc.weight": Shard(1)})
+        refused["another plan"] = _refused(other_plan, checkpoint)
+        # The control: the same resume, the optimizer's state not loaded (momentum starts from zero).
+        trainer.optimizer = None  # Trainer makes a fresh one
+        trainer._load_optimizer_and_scheduler = lambda checkpoint: None
+        trainer.train(resume_from_checkpoint=checkpoint)
+        forgetful = {n: p.full_tensor().detach() for n, p in trainer.model.named_parameters()}
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "batches": collator.batches,
+        "rows": run["rows"],
+        "param_err": max(_rel(p, run["params"][n]) for n, p in resumed.items()),
+        "reference_err": max(_rel(p, run["reference"][n]) for n, p in resumed.items()),
+        "logged": logged,
+        "uninterrupted_logged": run["logged"],
+        "loss_err": max(abs(a - b) / abs(b) for a, b in zip(logged, run["logged"])),
+        "step": step,
+        "refused": refused,
+        "forgetful_err": max(_rel(p, run["params"][n]) for n, p in forgetful.items()),
     }
 
 
@@ -188,15 +307,6 @@ def refusals() -> dict[str, str]:
         attempt("compiled", lambda: torch.compile(dp(inputs=Shard(0), outputs=Shard(0), loss_reduction="mean")()))
         attempt("replicated inputs", dp(inputs=Replicate(), outputs=Shard(0), loss_reduction="mean"))
         attempt("sum", dp(inputs=Shard(0), outputs=Shard(0)))
-        attempt(
-            "optimizer checkpoints",
-            dp(inputs=Shard(0), outputs=Shard(0), loss_reduction="mean"),
-            save_only_model=False,
-        )
-        try:
-            hca.Trainer(model=dp(inputs=Shard(0), outputs=Shard(0), loss_reduction="mean")())
-        except hca.HCAError as e:
-            found["no args"] = f"{type(e).__name__}: {e}"
         attempt(
             "torch_compile",
             dp(inputs=Shard(0), outputs=Shard(0), loss_reduction="mean"),

@@ -1,6 +1,6 @@
 """`hca.Trainer`: Hugging Face's ``transformers.Trainer`` for a model sharded with `hca.sharded`.
 
-A subclass, changing four things and patching nothing:
+A subclass, changing five things and patching nothing:
 
 - **No DDP.** The model's parameters are DTensors and the data parallelism is the plan's, so
   accelerate must not wrap the model. The subclass answers True to Trainer's own question
@@ -20,6 +20,11 @@ A subclass, changing four things and patching nothing:
   DDP's averaging): the model's loss (``labels=``) is a 0-d result, the global batch's mean as
   one device computes it. A loss Trainer computes from the logits (``compute_loss_func``,
   label smoothing) is one rank's, combined as DDP would under ``loss_reduction="mean"``.
+- **Checkpoints that resume.** Trainer's optimizer file would be one rank's ``torch.save`` of
+  DTensors; the subclass's ``_save_optimizer_and_scheduler`` writes the parameters' and the
+  optimizer's pieces with `hca.save` instead (every rank enters it), and its
+  ``_load_from_checkpoint`` / ``_load_optimizer_and_scheduler`` read them back with `hca.load`
+  (torch_hca/api/trainer_checkpoint.py). Trainer's own RNG files and trainer state are kept.
 
 transformers is imported here, and this module only when ``hca.Trainer`` is first used.
 """
@@ -33,6 +38,7 @@ import torch.distributed as dist
 import transformers
 from torch.distributed.tensor import Shard
 
+from torch_hca.api import trainer_checkpoint
 from torch_hca.errors import OptionsError, PlanError, UnsupportedError
 from torch_hca.compiler.plan_layouts import grad_scale
 from torch_hca.spmd.shares import UnevenShard
@@ -83,16 +89,7 @@ def _check_model(model: Any) -> None:
 
 
 def _check_args(args: Any) -> None:
-    """Checkpoints hold the model only: Trainer writes an optimizer's state from one rank, which a
-    model that owns its sharding refuses (transformers says so too, naming its own loader)."""
-    fix = (
-        "pass TrainingArguments(..., save_only_model=True) (checkpoints: the whole model, through its "
-        'save_pretrained) or save_strategy="no"; resuming a Trainer run is not built (docs/huggingface.md)'
-    )
-    if args is None:  # Trainer's default arguments save the optimizer's state every 500 steps
-        raise OptionsError(f"hca.Trainer: args=None; {fix}")
-    if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no" and not args.save_only_model:
-        raise OptionsError(f"hca.Trainer: Trainer's checkpoints would hold the optimizer's state; {fix}")
+    """TrainingArguments whose compile settings would compile the model a second time."""
     backend = getattr(args, "torch_compile_backend", None)
     if getattr(args, "torch_compile", False) or backend is not None:
         raise OptionsError(
@@ -105,13 +102,24 @@ class Trainer(transformers.Trainer):
     """``transformers.Trainer`` for an `hca.sharded` model: no DDP, forward compiled with ``backend="hca"``.
 
     ``hca_options`` is passed to ``torch.compile(..., options=)`` (docs/api.md, backend options).
-    Every rank constructs it and calls ``train()``, ``evaluate()`` and ``save_model()``.
+    Every rank constructs it and calls ``train()`` (``resume_from_checkpoint=`` one of its checkpoints
+    included), ``evaluate()`` and ``save_model()``.
     """
 
     def __init__(self, model: Any = None, args: Any = None, *rest: Any, hca_options: dict | None = None, **kwargs):
         _check_model(model)
+        if args is None:  # Trainer's own default
+            args = transformers.TrainingArguments(output_dir="tmp_trainer")
         _check_args(args)
-        super().__init__(model, args, *rest, **kwargs)
+        # Trainer refuses optimizer checkpoints for any model that owns its sharding (its own files
+        # cannot resume one); hca.Trainer writes and reads them with hca.save / hca.load, so that
+        # check is passed with save_only_model set for the duration of __init__, then restored.
+        model_only = args.save_only_model
+        args.save_only_model = True
+        try:
+            super().__init__(model, args, *rest, **kwargs)
+        finally:
+            args.save_only_model = model_only
         # The model computes its loss whole (a 0-d result): no token count from Trainer, no x world size.
         self.model_accepts_loss_kwargs = False
         self.hca_compiled = torch.compile(self.model, backend="hca", options=dict(hca_options or {}))
@@ -130,6 +138,18 @@ class Trainer(transformers.Trainer):
         if model is self.model or model is self.model_wrapped:
             model = self.hca_compiled
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    # Checkpoints: every rank enters these (Trainer's _save_checkpoint calls them outside its
+    # should_save); hca.save / hca.load write and read each rank's pieces (trainer_checkpoint.py).
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        trainer_checkpoint.save_state(self, output_dir)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        trainer_checkpoint.load_model(self.model if model is None else model, resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is not None:
+            trainer_checkpoint.load_state(self, checkpoint)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         super()._save(output_dir, state_dict=state_dict)
