@@ -16,7 +16,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import torch_hca as hca
 
@@ -223,6 +223,24 @@ def _(x):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("hca_tests::cube", mutates_args=())
+def cube(x: torch.Tensor) -> torch.Tensor:
+    return x * x * x
+
+
+@cube.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _cube_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return grad * 3 * x * x
+
+
+cube.register_autograd(_cube_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0]))
+
+
 @torch.library.custom_op("hca_tests::add_one_", mutates_args=("x",))
 def add_one_(x: torch.Tensor) -> None:
     x.add_(1)
@@ -261,3 +279,43 @@ def eager_no_rule(in_place: bool) -> dict[str, Any]:
     with torch.no_grad():
         want = ref(x).chunk(world)[rank]
     return {"err": rel_err(got, want), "calls": dict(calls)}
+
+
+class NoRuleToTrain(torch.nn.Module):
+    """Two linear layers around a differentiable custom op DTensor has no rule for (`cube`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(cube(self.a(x)))
+
+
+def eager_no_rule_training() -> dict[str, Any]:
+    """`NoRuleToTrain` trained eagerly (outside torch.compile) under data parallelism, batch split:
+    the op DTensor has no rule for runs whole on every rank (`rewrites`' fallback), so its gathered
+    input's cotangent comes back to each rank's rows. Output and every gradient against one device on
+    the whole batch (loss: the sum of the ranks' sums), and the collectives forward and backward ran."""
+    hca.init_mesh()
+    torch.manual_seed(0)
+    ref = NoRuleToTrain()
+    model = hca.sharded({}, inputs=Shard(0), outputs=Shard(0))(copy.deepcopy(ref))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(4 * world, 8)
+    with collectives_called() as forward:
+        out = model(x.chunk(world)[rank])
+    with collectives_called() as backward:
+        out.sum().backward()
+    want = ref(x)
+    want.sum().backward()
+    whole = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+    grads = {n: whole(p.grad) for n, p in model.named_parameters()}
+    return {
+        "out_err": rel_err(out.to_local() if isinstance(out, DTensor) else out, want.chunk(world)[rank]),
+        "out_type": type(out).__name__,
+        "grad_placements": sorted({str(p.grad.placements) for p in model.parameters() if isinstance(p.grad, DTensor)}),
+        "grad_err": max(rel_err(grads[n], q.grad) for n, q in ref.named_parameters()),
+        "forward": dict(forward),
+        "backward": dict(backward),
+    }

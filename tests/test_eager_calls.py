@@ -108,6 +108,20 @@ def test_eager_dropout_draws_as_one_device_and_differently_seeded_ranks_are_name
         assert "rank(s) [1] differs from rank 0's" in r["error"] and "torch.manual_seed" in r["error"], r
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_training_through_an_op_dtensor_has_no_rule_for_matches_one_device(worlds, world_size):
+    """An eager training call through the no-rule fallback: output and every gradient equal one
+    device's at 2 and 4 ranks. The op's split input is gathered (one all_gather forward) and its
+    result is replicated, so the next layer runs on the whole batch on every rank and the output is
+    cut to the rank's rows; in the backward that cut's cotangent is gathered (one all_gather), the
+    replicated layer's gradients come out whole and the first layer's partial (summed where read)."""
+    for r in worlds(world_size).run(eager_cases.eager_no_rule_training):
+        assert r["out_err"] <= TOL and r["grad_err"] <= TOL, r
+        assert r["forward"] == {"all_gather_single": 1}, r
+        assert r["backward"] == {"all_gather_single": 1}, r
+        assert r["grad_placements"] == ["(Partial(sum),)", "(Replicate(),)"], r
+
+
 def test_an_op_dtensor_has_no_rule_for_runs_whole_or_is_named(worlds):
     """An op DTensor cannot shard (a custom op; nonzero, whose shape depends on the data) runs whole on
     every rank, its split input gathered, equal to one device; one that writes in place into a split
