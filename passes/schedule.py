@@ -29,7 +29,8 @@ checker's), ``before`` (a copy of the graph as traced, for the timeline),
 ``buckets`` and ``moved``.
 
 The options, with defaults: ``schedule=True``, ``bucket_cap_mb=None`` (from the cost model: see `CostModel.bucket_cap_bytes`; MiB of
-payload per bucket, 0: no buckets), ``max_in_flight_mb=64``. See
+payload per bucket, 0: no buckets), ``max_in_flight_mb=None`` (the larger of 64 MiB and twice
+the graph's largest collective; `_in_flight_bound`). See
 docs/scheduling.md.
 
 Under ``inner="inductor"`` Inductor schedules the graph again. In torch 2.13
@@ -85,7 +86,7 @@ class SchedulePass:
             buckets = bucket_collectives(gm.graph, self.which, _bucket_cap(gm, ctx))
             bucketed = copy_graph_module(gm)  # the checker's baseline: buckets and moved singles are rewrites
             traced = list(gm.graph.nodes)
-            order, forced = plan_order(gm.graph, opts.max_in_flight_mb * MB)
+            order, forced = plan_order(gm.graph, _in_flight_bound(gm, opts.max_in_flight_mb))
             moved = {**count_moves(traced, order), "waits_forced": forced}
             reordered = order != traced
             apply_order(gm.graph, order)
@@ -114,6 +115,16 @@ def _bucket_cap(gm: fx.GraphModule, ctx: PassContext) -> float:
     sizes = [group_size(node_group(n)) for n in gm.graph.nodes if n.op == "call_function" and n.target in OPS]
     device = (ctx.report.mesh or {}).get("device_type", "cpu")
     return ctx.options.costs(device).bucket_cap_bytes(max(sizes, default=1))
+
+
+def _in_flight_bound(gm: fx.GraphModule, option_mb: float | None) -> float:
+    """Bytes in flight: the option, else the larger of 64 MiB and twice the largest collective's
+    payload. A collective over the bound runs alone: its wait comes before the next start, so a
+    fixed 64 MiB bound waited on a 98 MiB LM-head gradient as soon as the next bucket was ready."""
+    if option_mb is not None:
+        return option_mb * MB
+    largest = max((payload_bytes(n) for n in gm.graph.nodes if n.op == "call_function" and n.target in OPS), default=0)
+    return max(64 * MB, 2 * largest)
 
 
 # ---------------------------------------------------------------- the model

@@ -165,6 +165,26 @@ def test_a_collective_larger_than_the_bound_runs_alone(group):
     assert max_in_flight(gm) == (1, F32_4x4)
 
 
+def test_by_default_one_large_collective_stays_in_flight_with_the_next(group):
+    """The default bound is the larger of 64 MiB and twice the largest collective: a gradient over
+    64 MiB (a language model's head) issued first stays in flight while the small reductions after
+    it start; a fixed 64 MiB bound makes it run alone (its wait before the next start)."""
+
+    def f(big, a, w):
+        pending = [ar(big.relu(), group)]
+        x = a
+        for _ in range(2):
+            x = (x @ w).relu()
+            pending.append(ar(x, group))
+        return [wait(p) for p in pending]
+
+    gm = make_fx(f, tracing_mode="fake")(torch.empty(70 * MB // 4), torch.randn(4, 4), torch.randn(4, 4))
+    default, _ = schedule(copy.deepcopy(gm))
+    assert max_in_flight(default) == (3, 70 * MB + 2 * F32_4x4)
+    fixed, record = schedule(gm, max_in_flight_mb=64)
+    assert max_in_flight(fixed) == (2, 70 * MB) and record["moved"]["waits_forced"] == 1  # never together
+
+
 def test_in_place_write_waits_for_the_collective_holding_its_buffer(group):
     def f(a, b):
         x = a.relu()

@@ -61,7 +61,9 @@ class Options:
       all-gathers are merged into (default None: from the cost model, the size
       whose all_reduce spends 10% of its time on latency; about 1 MiB on gloo).
     max_in_flight_mb: bound on bytes of collectives started but not yet
-      waited on (default 64).
+      waited on (default None: the larger of 64 MiB and twice the graph's
+      largest collective, so that one large gradient, a language model's head,
+      stays in flight while the buckets after it start).
     check: refinement check (default False; the tests turn it on): on the first
       call the compiled program and the logical program (the single-device
       program Dynamo traced, run whole on every rank) run on the same inputs
@@ -91,7 +93,7 @@ class Options:
     cost_model: tuple = ()  # (field, value) pairs: the dataclass stays hashable
     schedule: bool = True
     bucket_cap_mb: float | None = None
-    max_in_flight_mb: float = 64.0
+    max_in_flight_mb: float | None = None
     check: bool = False
     input_check: str = "values"
     strategy: str | None = None
@@ -174,18 +176,21 @@ class Options:
         return with_overrides(base, dict(self.cost_model)), source
 
 
+_MAY_BE_NONE = ("memory_budget", "bucket_cap_mb", "max_in_flight_mb")  # None: no bound, or the default rule
+
+
 def _numbers(options: dict[str, Any]) -> dict[str, float]:
     """The numeric options given, each checked: a finite number >= 0 (None: no bound, where allowed)."""
     numbers = {}
     for key in ("memory_weight", "memory_budget", "solver_time_limit_s", "bucket_cap_mb", "max_in_flight_mb"):
-        if key in options and not (key in ("memory_budget", "bucket_cap_mb") and options[key] is None):
+        if key in options and not (key in _MAY_BE_NONE and options[key] is None):
             value = options[key]
             if isinstance(value, bool) or not isinstance(value, Real) or value < 0:
                 raise OptionsError(f"backend 'hca': options[{key!r}] must be a number >= 0, got {value!r}")
             if not math.isfinite(value):  # NaN passes `< 0`; the solver (scipy) would fail on either
                 raise OptionsError(
                     f"backend 'hca': options[{key!r}] must be a finite number, got {value!r}"
-                    + ("; leave it out or give None for no bound" if key in ("memory_budget", "bucket_cap_mb") else "")
+                    + ("; leave it out or give None for no bound" if key in _MAY_BE_NONE else "")
                 )
             numbers[key] = float(value)
     return numbers
