@@ -39,7 +39,6 @@ from torch_hca.spmd.cost_model import scatter_runs_as_all_reduce
 
 _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 _ALL_REDUCE_IN_PLACE = torch.ops._c10d_functional.all_reduce_.default
-_VIEW = torch.ops.aten.view.default
 _REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _DETACH = torch.ops.aten.detach.default
@@ -227,15 +226,25 @@ def _reductions_in_place(gm: fx.GraphModule) -> list[fx.Node]:
 
 def _sole_reader_of_fresh(node: Any) -> bool:
     """Whether `node` is new memory (an op that, by its schema, neither views nor writes an input)
-    that one node reads, or a view with one reader of such memory: one its schema does not declare
-    (`_unsafe_view`: a matmul's result reshaped), or a contiguous `view` (a reduce_scatter bucket,
-    `cat(dim=1).view(-1)`, which gloo runs as an all_reduce: 13 MB copied for nothing on the test
-    Transformer's FSDP-like step, 6 ms of it)."""
-    if not (isinstance(node, fx.Node) and node.op == "call_function" and len(node.users) == 1):
+    that one node reads, or a chain of views with one reader each of such memory that ends
+    contiguous and covers all of it: a view the schema does not declare (`_unsafe_view`: a matmul's
+    result reshaped), a reduce_scatter bucket's `cat(dim=1).view(-1)` (which gloo runs as an
+    all_reduce: 13 MB copied for nothing on the test Transformer's FSDP-like step, 6 ms of it), or
+    `t(t(mm))` (the 125M Llama's 98 MB head gradient, copied first in every step)."""
+    top, root, declared = node, node, False  # declared: a view its schema says aliases (t, view, ...)
+    while (
+        isinstance(root, fx.Node)
+        and root.op == "call_function"
+        and len(root.users) == 1
+        and (root.target in UNANNOTATED_VIEWS or is_view(root))
+    ):
+        declared = declared or root.target not in UNANNOTATED_VIEWS
+        root = root.args[0]
+    if not (isinstance(root, fx.Node) and root.op == "call_function" and len(root.users) == 1):
         return False
-    if node.target in UNANNOTATED_VIEWS or (node.target is _VIEW and _contiguous(node)):
-        return _sole_reader_of_fresh(node.args[0])
-    return isinstance(node.target, torch._ops.OpOverload) and not is_view(node) and not written(node)
+    if not (isinstance(root.target, torch._ops.OpOverload) and not is_view(root) and not written(root)):
+        return False
+    return not declared or _covers(top, root)  # `_unsafe_view` reshapes a whole, contiguous result
 
 
 def decompositions(inner: str) -> dict | None:
@@ -247,6 +256,15 @@ def decompositions(inner: str) -> dict | None:
     return None
 
 
-def _contiguous(node: fx.Node) -> bool:
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.is_contiguous()
+def _covers(view: fx.Node, base: fx.Node) -> bool:
+    """`view` (of `base`, through views) is contiguous and holds every element of `base`: an
+    elementwise reduction in place through it reduces the whole buffer and nothing else."""
+    val, src = view.meta.get("val"), base.meta.get("val")
+    return (
+        isinstance(val, torch.Tensor)
+        and isinstance(src, torch.Tensor)
+        and val.is_contiguous()
+        and src.is_contiguous()
+        and val.numel() == src.numel()
+        and val.storage_offset() == src.storage_offset() == 0
+    )

@@ -56,6 +56,28 @@ def test_a_bucket_only_the_reduction_reads_is_reduced_in_place(fake_pg, source):
     assert torch.equal(out, torch.cat([a, b]))
 
 
+@pytest.mark.parametrize("through,in_place", [("t_t", True), ("narrow", False), ("t", False)])
+def test_a_reduction_through_views_of_a_fresh_result_is_in_place_only_when_it_covers_it(fake_pg, through, in_place):
+    """A weight gradient as AOTAutograd writes it, `t(t(mm))`: contiguous and the whole of the mm's
+    fresh result, so reduced in place (the 125M Llama's 98 MB head gradient was copied first). A view
+    of part of it, or one that is not contiguous, keeps the functional all_reduce (its copy)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(a, b):
+        g = a @ b
+        g = {"t_t": lambda: g.t().t(), "narrow": lambda: g.narrow(0, 0, 2), "t": lambda: g.t()}[through]()
+        return c10d.wait_tensor(c10d.all_reduce(g, "sum", dist.group.WORLD.group_name))
+
+    a, b = torch.randn(4, 3), torch.randn(3, 5)
+    gm = make_fx(f, tracing_mode="fake")(a, b)
+    emitted = eager_graph(gm)
+    assert (c10d.all_reduce_.default in _targets(emitted)) is in_place, emitted.code
+    assert (c10d.all_reduce.default in _targets(emitted)) is not in_place, emitted.code
+    out = emit(gm, [a, b], "eager")([a, b])
+    want = {"t_t": lambda g: g, "narrow": lambda g: g[:2], "t": lambda g: g.t()}[through](a @ b)
+    torch.testing.assert_close(out[0] if isinstance(out, (list, tuple)) else out, want)  # a fake group: no sum
+
+
 # `_unsafe_view`'s schema declares no alias, but its result shares its input's memory.
 @pytest.mark.parametrize(
     "source,also_returned", [("cat", True), ("input", False), ("view", False), ("unsafe_view", False)]
