@@ -5,6 +5,7 @@ Fake process group, world 4 (graph only: no numbers are checked here)."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -36,6 +37,21 @@ def _tp_block():
 
 def _dp(depth=4, dim=16):
     return hca.sharded({}, inputs=Shard(0), outputs=Shard(0))(zoo.DeepMLP(dim, depth)), torch.randn(8, dim)
+
+
+_SAVED: dict[str, tuple[str, dict]] = {}  # file text and content, per model: see _saved_once
+
+
+def _saved_once(name: str, make, path) -> dict:
+    """`make()` compiled and its strategy saved at `path`, for the tests that read the file alone:
+    the model compiled by the first of them, the same text written again for the others (the
+    compile is deterministic: tests/test_solver_determinism.py)."""
+    if name not in _SAVED:
+        data = _compiled(*make()).save_strategy(path)
+        _SAVED[name] = (path.read_text(), data)
+    else:
+        path.write_text(_SAVED[name][0])
+    return copy.deepcopy(_SAVED[name][1])
 
 
 def _seconds(rep, name):
@@ -88,7 +104,7 @@ def test_round_trip_on_zoo_plans(fake_pg, tmp_path, make):
 
 def test_a_file_for_another_model_is_a_named_error(fake_pg, tmp_path):
     path = tmp_path / "dp.json"
-    _compiled(*_dp()).save_strategy(path)
+    _saved_once("dp", _dp, path)
     with pytest.raises(
         hca.StrategyError, match=r"another model: .*parameter 'layers.0.weight' shape \[16, 16\].*\[32, 32\]"
     ):
@@ -103,7 +119,7 @@ def test_a_file_for_another_world_size_is_a_named_error(fake_pg, tmp_path):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     path = tmp_path / "dp.json"
-    _compiled(*_dp()).save_strategy(path)
+    _saved_once("dp", _dp, path)
     dist.destroy_process_group()
     reset_current_mesh()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
@@ -119,7 +135,7 @@ def test_a_file_for_another_world_size_is_a_named_error(fake_pg, tmp_path):
 
 def test_bad_files_are_named_errors(fake_pg, tmp_path):
     path = tmp_path / "dp.json"
-    _compiled(*_dp()).save_strategy(path)
+    _saved_once("dp", _dp, path)
     text = path.read_text()
     cases = {
         "truncated": (text[: len(text) // 2], r"not valid JSON .*truncated or hand-edited"),
@@ -151,7 +167,7 @@ def _edited(text: str, edit) -> dict:
 
 def test_a_hand_edited_placement_is_refused_after_replay(fake_pg, tmp_path):
     path = tmp_path / "tp.json"
-    data = _compiled(*_tp_block()).save_strategy(path)
+    data = _saved_once("tp_block", _tp_block, path)
     values = data["graphs"][0]["values"]
     name = next(n for n, v in values.items() if v["op"].endswith("layer_norm") and v["placements"] == ["R"])
     values[name]["placements"] = ["S(0)"]
@@ -171,7 +187,7 @@ def test_strategy_option_is_checked(fake_pg):
 
 def test_command_line_verify(fake_pg, tmp_path, capsys):
     path = tmp_path / "tp.json"
-    data = _compiled(*_tp_block()).save_strategy(path)
+    data = _saved_once("tp_block", _tp_block, path)
     assert main(["verify", str(path)]) == 0
     assert "verified" in capsys.readouterr().out
     data["graphs"][0]["moves"][0]["steps"][0]["bytes"] += 4
@@ -197,7 +213,7 @@ def test_two_d_mesh_round_trip_and_another_mesh_is_a_named_error(fake_pg, tmp_pa
             torch.randn(8, 16),
         )
 
-    _compiled(*_dp()).save_strategy(tmp_path / "dp_1d.json")
+    _saved_once("dp", _dp, tmp_path / "dp_1d.json")
     hca.init_mesh((2, 2), ("dp", "tp"))
     solved = _compiled(*tp_2d())
     data = solved.save_strategy(tmp_path / "tp_2d.json")

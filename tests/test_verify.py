@@ -18,6 +18,8 @@ from torch_hca.runtime.mesh import reset_current_mesh
 from torch_hca.tools import zoo
 from torch_hca.verify import problems
 
+import op_rule_cases
+
 MODELS = {
     "data_parallel": lambda: (
         hca.sharded({}, inputs=Shard(0), outputs=Shard(0))(zoo.DeepMLP(16, 4)),
@@ -341,6 +343,7 @@ MUTATIONS = [
     dropped_gradient_reduction,
     dropped_transpose,
     unknown_version,
+    *op_rule_cases.MUTATIONS,  # placements the op families do not allow, every other rule passing
 ]
 SEEDS = (0, 1, 2)
 

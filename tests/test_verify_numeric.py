@@ -61,36 +61,41 @@ def _drop_move(g: dict, node: str, value: str) -> None:
 
 def test_a_partial_written_as_replicate_is_named(tp_file):
     """The attention's output projection is Partial (row-parallel); written R with its all_reduce
-    dropped, the file is consistent for the structural rules (no per-op legality) but not numerically."""
+    dropped, the file passes every structural rule but the op rules (its operands are cut on the
+    contracted dim: a partial sum), and the numbers, run on their own, differ too."""
     broken = copy.deepcopy(tp_file)
     g = broken["graphs"][0]
     partial = next(n for n, v in g["values"].items() if v["placements"] == ["P(sum)"] and v["kind"] == "op")
     move = next(m["node"] for m in g["moves"] if m["value"] == partial)
     g["values"][partial]["placements"] = ["R"]
     _drop_move(g, move, partial)
-    assert problems(broken) == []  # the structural rules pass it
-    found = hca.verify(_model(), broken, X, raise_on_failure=False).problems
+    assert [(p.rule, p.where.split(" (")[0]) for p in problems(broken)] == [
+        ("op placement", f"graph 0, value {partial!r}")
+    ]
+    found, _ = check(_model(), broken, X)
     assert [p.rule for p in found] == ["numerical refinement"], found
     assert found[0].where.startswith(f"graph 0, value {partial!r}") and "replicas differing" in found[0].says
-    with pytest.raises(hca.StrategyError, match=rf"value '{partial}'.*rule 'numerical refinement'.*\['R'\]"):
+    with pytest.raises(hca.StrategyError, match=rf"value '{partial}'.*rule 'op placement'.*R on mesh dim 0"):
         hca.verify(_model(), broken, X)
 
 
 def test_a_shard_dim_changed_is_named(tp_file):
-    """q is Shard(1) (heads); Shard(3) divides its shape too, so only the numbers tell."""
+    """q is Shard(1) (heads); Shard(3) divides its shape too: the op rules tell (the transpose moves
+    the heads dim, of size 4, to dim 1), and so do the numbers."""
     broken = copy.deepcopy(tp_file)
     broken["graphs"][0]["values"]["q"]["placements"] = ["S(3)"]
-    assert problems(broken) == []
+    assert [(p.rule, p.where) for p in problems(broken)] == [("op placement", "graph 0, value 'q' (transpose)")]
     found, summary = check(_model(), broken, X)
     assert len(found) == 1 and found[0].where == "graph 0, value 'q' (transpose)", found
     assert "['S(3)']" in found[0].says and "logical value has [2, 4, 6, 32]" in found[0].says
 
 
 def test_a_dropped_cotangent_reduction_is_a_gradient_named(tp_file):
-    """The forward is right; the layer norm's cotangent reduction gone, its weight's gradient is not."""
+    """The forward is right; the layer norm output's cotangent reduction (at `reduce_cotangent`, Megatron's f) gone,
+    the layer norm weight's gradient is not."""
     broken = copy.deepcopy(tp_file)
     g = broken["graphs"][0]
-    reduction = next(c for c in g["collectives"] if c["direction"] == "backward" and c["origin"] == "layer_norm")
+    reduction = next(c for c in g["collectives"] if c["direction"] == "backward" and c["origin"] == "reduce_cotangent")
     _remove_collective(broken, reduction["id"])
     assert problems(broken) == []  # "nothing owed is missing" looks one reader deep: it asks nothing here
     found, summary = check(_model(), broken, X)

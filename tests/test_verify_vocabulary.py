@@ -20,7 +20,6 @@ from torch_hca.verify.numeric import check
 
 from cross_entropy_cases import HeadLoss
 from dist_cases import fake_world
-from test_verify import _saved
 
 VOCAB = 8192
 
@@ -66,11 +65,13 @@ def test_the_file_is_accepted_and_every_value_compared(head_file):
 
 
 def test_a_partial_target_logit_written_replicated_is_named(head_file):
-    """`pick` on logits split by classes is a Partial sum: written R, the ranks' pieces differ."""
+    """`pick` on logits split by classes is a Partial sum: written R, the ranks' pieces differ. The op
+    rules do not read `pick` (the compiler's own op) but name its reader: `sub` of a partial and a
+    replicated value written partial."""
     broken = copy.deepcopy(head_file)
     broken["graphs"][0]["values"]["pick"]["placements"] = ["R"]
-    assert problems(broken) == []  # the structural rules pass it
-    found = hca.verify(HeadLoss(VOCAB), broken, _inputs(), raise_on_failure=False).problems
+    assert [(p.rule, p.where) for p in problems(broken)] == [("op placement", "graph 0, value 'sub' (_operator.sub)")]
+    found, _ = check(HeadLoss(VOCAB), broken, _inputs())
     assert [p.rule for p in found] == ["numerical refinement"], found
     assert found[0].where.startswith("graph 0, value 'pick'") and "replicas differing" in found[0].says, found
 

@@ -25,12 +25,13 @@ from torch_hca.errors import StrategyError
 from .collective_rules import collectives, groups, issued, owed
 from .numeric import Numeric
 from .numeric import check as numeric_check
+from .op_rules import OpTally, op_placement, tally
 from .retrace import Traced, against_model, parameters_of, trace
 from .rules import Graph, Problem, mesh_and_model, moves, parameters, partial_reduced, placements, structure
 
 __all__ = ["Problem", "Verification", "problems", "verify"]
 
-GRAPH_RULES = (placements, parameters, partial_reduced, moves, collectives, owed, issued, groups)
+GRAPH_RULES = (placements, parameters, partial_reduced, op_placement, moves, collectives, owed, issued, groups)
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Verification:
     seconds: float = 0.0
     model: str | None = None  # what the file was compared against: the model, re-traced or not
     numeric: Numeric | None = None  # the numerical refinement check, when it ran
+    op_rules: OpTally | None = None  # how many op values the per-op-family rules decided
 
     @property
     def ok(self) -> bool:
@@ -54,6 +56,7 @@ class Verification:
         head = (
             f"{self.source}: {'verified' if self.ok else 'REJECTED'}: {self.graphs} graph(s), {self.moves} moves, "
             f"{self.collectives} collectives, {len(self.problems)} problem(s), {self.seconds:.3f} s"
+            + (f"; {self.op_rules}" if self.op_rules else "")
             + (f"; against {self.model}" if self.model else "")
             + (f"; {self.numeric}" if self.numeric else "")
         )
@@ -124,14 +127,18 @@ def verify(
     model = _model_form(model_or_strategy, strategy, example_inputs)
     data, name = _read(strategy if model is not None else model_or_strategy)
     result = Verification(name, problems(data))
+    if not structure(data):
+        result.op_rules = tally(data)
+    traced = None  # the model re-traced: the numerical check runs its graphs again
     if model is not None and not structure(data):
-        result.problems += _against(model, data, example_inputs, result)
+        found, traced = _against(model, data, example_inputs, result)
+        result.problems += found
     if numeric is None:
         numeric = example_inputs is not None
     if numeric and example_inputs is None:
         raise StrategyError("hca.verify(..., numeric=True): the numerical check needs example inputs")
     if numeric and model is not None and result.ok:
-        found, result.numeric = numeric_check(model, data, example_inputs)
+        found, result.numeric = numeric_check(model, data, example_inputs, traced=traced)
         result.problems += found
     if isinstance(data, dict) and isinstance(data.get("graphs"), list):
         result.graphs = len(data["graphs"])
@@ -162,12 +169,12 @@ def _model_form(first: Any, strategy: Any, example_inputs: Any) -> nn.Module | N
     return None
 
 
-def _against(model: nn.Module, data: dict, example_inputs: Any, result: Verification) -> list[Problem]:
-    """The file against the model: re-traced on the example inputs, or its parameters alone."""
+def _against(model: nn.Module, data: dict, example_inputs: Any, result: Verification) -> tuple[list, Traced | None]:
+    """The file against the model: re-traced on the example inputs (the trace returned), or its parameters alone."""
     name = type(getattr(model, "_orig_mod", model)).__name__
     if example_inputs is None:
         result.model = f"{name} (parameters only: no example inputs to re-trace)"
-        return against_model(data, Traced(parameters=parameters_of(model)), graphs=False)
+        return against_model(data, Traced(parameters=parameters_of(model)), graphs=False), None
     traced = trace(model, example_inputs, data)
     found = against_model(data, traced)
     n = traced.compared
@@ -175,4 +182,4 @@ def _against(model: nn.Module, data: dict, example_inputs: Any, result: Verifica
         f"{name} (re-traced: {len(traced.ops)} graph(s), {sum(map(len, traced.ops))} ops; the file's op values "
         f"paired {n['by name']} by name, {n['by shape']} by shape, {n['unpaired']} unpaired)"
     )
-    return found
+    return found, traced

@@ -68,9 +68,13 @@ METHODS = {"float": "double", "half": "double", "bfloat16": "double"}
 
 def wide(x: Any) -> Any:
     """Every floating dtype the program names as float64 (a model's `.float()` or `.to(torch.float32)`
-    around a norm, say), and every floating constant: both programs run in float64 throughout."""
+    around a norm, say), and every floating constant: both programs run in float64 throughout. The
+    program was traced on meta tensors (`retrace.trace`): a device it names from them (``device=x.device``)
+    is the CPU the float64 tensors are on."""
     if isinstance(x, torch.dtype):
         return torch.float64 if x in NARROW else x
+    if isinstance(x, torch.device):
+        return torch.device("cpu") if x.type == "meta" else x
     if isinstance(x, torch.Tensor):
         return x.to(torch.float64) if x.dtype in NARROW else x
     if isinstance(x, (tuple, list)):

@@ -1,8 +1,9 @@
 """The numerical refinement check: every rank of the file's program run in this process, in float64,
 against the logical program, value by value and gradient by gradient.
 
-The model's forward is re-traced with Dynamo on real float64 tensors (`retrace.capture`: seeded
-random parameters, the model's buffers, the example inputs) and its graph run op by op twice:
+The graphs of the model's forward that `retrace.trace` captured on meta tensors are bound to real
+float64 tensors (`retrace.rebind`: seeded random parameters, the model's buffers, the example
+inputs; a graph that reads a value made between graphs is traced again on them) and run op by op twice:
 
 * on the whole tensors: the logical program;
 * on each rank's pieces (`torch_hca.verify.pieces`): a parameter or input is cut as the file
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 
 from . import gradients, vocabulary
 from . import pieces as P
-from .retrace import capture
+from .retrace import Traced, capture, rebind, trace
 from .float64 import METHODS, RTOL, differs, flat, float64, in_place, natural, scale, wide
 from .rules import Problem
 
@@ -64,14 +65,25 @@ class Numeric:
         return text + f" ({self.seconds:.2f} s)"
 
 
-def check(model: nn.Module, data: dict, example_inputs: Any, seed: int = 0) -> tuple[list[Problem], Numeric]:
-    """Run every graph of the file on all its ranks in float64 against the re-traced model."""
+def check(
+    model: nn.Module, data: dict, example_inputs: Any, seed: int = 0, traced: Traced | None = None
+) -> tuple[list[Problem], Numeric]:
+    """Run every graph of the file on all its ranks in float64 against the re-traced model: the graphs
+    of `traced` (`retrace.trace(model, example_inputs, data)`), else of a trace made now."""
     import time
 
     start = time.perf_counter()
+    captured = traced.captured if traced is not None else None
+    if captured is None or captured.expanded_for is not data:
+        captured = trace(model, example_inputs, data).captured  # the vocabulary-parallel loss expanded
     gen = torch.Generator().manual_seed(seed)
-    graphs, names = capture(model, example_inputs, *float64(gen))
-    vocabulary.expand(graphs, data)  # the vocabulary-parallel loss, where the file lists it
+    bound = rebind(captured, model, example_inputs, *float64(gen))
+    if bound is None:  # a graph reads a value computed between graphs: traced again, on float64 tensors
+        gen = torch.Generator().manual_seed(seed)
+        again = capture(model, example_inputs, *float64(gen))
+        vocabulary.expand(again.graphs, data)
+        bound = again.graphs, again.names
+    graphs, names = bound
     summary = Numeric()
     found: list[Problem] = []
     if len(graphs) != len(data["graphs"]):

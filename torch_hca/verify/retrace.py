@@ -3,7 +3,9 @@
 `trace` runs the model's own forward (a sharded module's, unwrapped: the single-device program)
 under Dynamo with a backend that only keeps the graphs, on meta tensors of the parameters'
 logical (global) shapes and of the example inputs: no value is computed, no collective runs, and
-nothing of the compiler that wrote the file is imported. `against_model` names every difference
+nothing of the compiler that wrote the file is imported. The graphs are kept (`Traced.captured`): the
+numerical check runs them again on float64 tensors (`rebind`) instead of tracing a second time.
+`against_model` names every difference
 between the file and that trace: the parameters (names, shapes, dtypes, a sharded module's storage),
 the inputs, and each value the file lists (logical shape and dtype, paired with the trace's ops in
 program order). What it cannot recompute, and why, is in docs/strategy.md ("Against the model").
@@ -43,6 +45,21 @@ class Traced:
     aliases: dict[str, set[str]] = field(default_factory=dict)  # a tied parameter's names
     # What `against_model` compared: file values paired with a trace op by name, by shape (renamed), none.
     compared: dict[str, int] = field(default_factory=lambda: {"by name": 0, "by shape": 0, "unpaired": 0})
+    captured: Captured | None = field(default=None, repr=False, compare=False)  # the graphs it read
+
+
+@dataclass
+class Captured:
+    """`capture`'s graphs, each as (GraphModule, {placeholder: parameter name}, the tensors Dynamo bound
+    to its placeholders); {id(tensor): parameter names}; the tensors it made for the parameters and
+    buffers ({"model.<name>": tensor}) and the inputs; and the file `vocabulary.expand` rewrote the
+    graphs for (None: not expanded)."""
+
+    graphs: list
+    names: dict[int, set[str]]
+    tensors: dict[str, torch.Tensor]
+    inputs: tuple
+    expanded_for: dict | None = None
 
 
 def _user_forward(model: nn.Module):
@@ -72,18 +89,19 @@ def trace(model: nn.Module, example_inputs: Any, data: dict | None = None) -> Tr
     """The model's logical program on `example_inputs` (the whole tensors one device would see);
     with the file `data`, the vocabulary-parallel loss expanded where the file lists it (`vocabulary`)."""
     model = getattr(model, "_orig_mod", model)  # a torch.compile'd module: the module itself
-    graphs, names = capture(model, example_inputs, _meta, _meta, _meta)
+    captured = capture(model, example_inputs, _meta, _meta, _meta)
     if data is not None:
-        vocabulary.expand(graphs, data)
-    return _summary(model, graphs, names)
+        vocabulary.expand(captured.graphs, data)
+        captured.expanded_for = data
+    traced = _summary(model, captured.graphs, captured.names)
+    traced.captured = captured
+    return traced
 
 
-def capture(model: nn.Module, example_inputs: Any, parameter, buffer, tensor_input) -> tuple[list, dict]:
-    """Dynamo's graphs of the model's own forward, run on tensors made from the model's parameters,
-    buffers and the example inputs by the three functions given (meta tensors for the shapes; real
-    float64 ones for the numerical check). Returns each graph as (GraphModule, {placeholder: parameter
-    name}, the tensors Dynamo bound to its placeholders), and {id(tensor): parameter names}."""
-    model = getattr(model, "_orig_mod", model)
+def _made(model: nn.Module, example_inputs: Any, parameter, buffer, tensor_input) -> tuple[tuple, dict, dict]:
+    """The inputs, {"model.<name>": tensor} for every parameter (one tensor per tied group) and buffer,
+    made by the three functions given in this order (a generator they draw from draws alike), and
+    {id(tensor): parameter names}."""
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     inputs = tuple(tensor_input(x) if isinstance(x, torch.Tensor) else x for x in example_inputs)
@@ -95,6 +113,14 @@ def capture(model: nn.Module, example_inputs: Any, parameter, buffer, tensor_inp
     for n, t in tensors.items():
         names.setdefault(id(t), set()).add(n.removeprefix("model."))
     tensors.update({f"model.{n}": buffer(b) for n, b in model.named_buffers()})
+    return inputs, tensors, names
+
+
+def capture(model: nn.Module, example_inputs: Any, parameter, buffer, tensor_input) -> Captured:
+    """Dynamo's graphs of the model's own forward, run on tensors made from the model's parameters,
+    buffers and the example inputs by the three functions given (meta tensors: `trace`)."""
+    model = getattr(model, "_orig_mod", model)
+    inputs, tensors, names = _made(model, example_inputs, parameter, buffer, tensor_input)
     forward, graphs = _user_forward(model), []
 
     class Logical(nn.Module):
@@ -132,6 +158,23 @@ def capture(model: nn.Module, example_inputs: Any, parameter, buffer, tensor_inp
             f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else '?'}); give the whole "
             "inputs one device would see (not one rank's piece), as a tuple"
         ) from e
+    return Captured(graphs, names, tensors, inputs)
+
+
+def rebind(captured: Captured, model: nn.Module, example_inputs: Any, parameter, buffer, tensor_input):
+    """`captured`'s graphs bound to new tensors made by the three functions, as `capture` would have
+    bound them had it traced on those (graphs and {id(tensor): parameter names}); None where a graph
+    reads a meta tensor other than a parameter, buffer or input (one made between two graphs at a
+    graph break: only a trace on the new tensors computes it)."""
+    model = getattr(model, "_orig_mod", model)
+    old = {id(t): key for key, t in captured.tensors.items()}
+    old.update({id(x): i for i, x in enumerate(captured.inputs) if isinstance(x, torch.Tensor)})
+    for _gm, _read, bound in captured.graphs:
+        if any(isinstance(t, torch.Tensor) and t.is_meta and id(t) not in old for t in bound):
+            return None
+    inputs, tensors, names = _made(model, example_inputs, parameter, buffer, tensor_input)
+    new = {i: (tensors[k] if isinstance(k, str) else inputs[k]) for i, k in old.items()}
+    graphs = [(gm, read, [new.get(id(t), t) for t in bound]) for gm, read, bound in captured.graphs]
     return graphs, names
 
 
