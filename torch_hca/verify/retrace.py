@@ -13,6 +13,7 @@ program order). What it cannot recompute, and why, is in docs/strategy.md ("Agai
 
 from __future__ import annotations
 
+import contextlib
 import types
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -145,13 +146,14 @@ def capture(model: nn.Module, example_inputs: Any, parameter, buffer, tensor_inp
     logical = Logical()
 
     def run(*args):
-        return torch.func.functional_call(logical, tensors, args)
+        return logical(*args)
 
     # A fresh code object: Dynamo's cache of this function starts empty on every call (no
     # recompilation limit reached by many verifications, no cache of the user's touched).
     fresh = types.FunctionType(run.__code__.replace(), run.__globals__, "verify_retrace", None, run.__closure__)
     try:
-        torch.compile(fresh, backend=keep, dynamic=False)(*inputs)
+        with _swapped(logical, tensors):
+            torch.compile(fresh, backend=keep, dynamic=False)(*inputs)
     except Exception as e:
         raise StrategyError(
             f"hca.verify: re-tracing {type(model).__name__} on the example inputs failed "
@@ -159,6 +161,25 @@ def capture(model: nn.Module, example_inputs: Any, parameter, buffer, tensor_inp
             "inputs one device would see (not one rank's piece), as a tuple"
         ) from e
     return Captured(graphs, names, tensors, inputs)
+
+
+@contextlib.contextmanager
+def _swapped(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+    """`module`'s parameters and buffers replaced by `tensors` (by name) while tracing, then put back, as
+    `torch.func.functional_call` does; swapped outside Dynamo: traced, the swap cost it about a second
+    per Hugging Face model."""
+    saved = []
+    try:
+        for name, t in tensors.items():
+            path, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(path)
+            store = owner._parameters if leaf in owner._parameters else owner._buffers
+            saved.append((store, leaf, store[leaf]))
+            store[leaf] = t
+        yield
+    finally:
+        for store, leaf, t in reversed(saved):
+            store[leaf] = t
 
 
 def rebind(captured: Captured, model: nn.Module, example_inputs: Any, parameter, buffer, tensor_input):
