@@ -224,7 +224,7 @@ def lower(gm: fx.GraphModule, example_inputs: list[Any], ctx: PassContext) -> Ca
         compiled = emit(report.forward, inputs, options.inner)
         return _checked_first_run(
             compiled,
-            report.schedules["forward"]["per_group"],
+            report.schedules["forward"],
             f"graph {report.index} forward",
             _call_times(report, "forward"),
         )
@@ -235,7 +235,7 @@ def lower(gm: fx.GraphModule, example_inputs: list[Any], ctx: PassContext) -> Ca
         compiled = emit(report.backward, inputs, options.inner, is_backward=True)
         return _checked_first_run(
             compiled,
-            report.schedules["backward"]["per_group"],
+            report.schedules["backward"],
             f"graph {report.index} backward",
             _call_times(report, "backward"),
         )
@@ -321,20 +321,22 @@ def _refinement_checked(compiled: Callable, logical: fx.GraphModule, report_of: 
 
 
 def _checked_first_run(
-    compiled: Callable, per_group: dict[str, list[str]], what: str, times: collections.deque | None
+    compiled: Callable, schedule: dict[str, Any], what: str, times: collections.deque | None
 ) -> Callable:
     """`compiled`, checking on its first call that every rank issues the same collectives,
     and keeping the wall time of each later call in `times` (`CompileReport.measured`; None:
     not timed, as on CUDA, whose calls return before their kernels finish).
 
-    ``per_group`` is the schedule checker's summary of the graph: each group's
-    collectives in issue order. The first call is not timed: it compiles (Inductor) and checks.
+    ``schedule`` is the schedule pass's record of the graph; its ``per_group`` (each group's
+    collectives in issue order) is what the ranks compare, and ``per_rank`` is set to what each
+    member of each group posted (the strategy file's per-rank orders). The first call is not
+    timed: it compiles (Inductor) and checks.
     """
     pending = [True]
 
     def run(args):
         if pending:
-            check_same_collectives(per_group, what)
+            schedule["per_rank"] = check_same_collectives(schedule["per_group"], what)
             pending.clear()
             return compiled(args)
         if times is None:

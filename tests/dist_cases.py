@@ -546,3 +546,19 @@ def ddp_bucket_and_parameter_bytes() -> tuple[int, int]:
     model = nn.parallel.DistributedDataParallel(zoo.DeepMLP(16, 3))
     model(torch.randn(2, 16)).sum().backward()
     return ddp_bucket_bytes(model), sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def strategy_of_fsdp_block() -> dict:
+    """`zoo.TransformerBlock` with every weight stored by rows (FSDP-style) and the batch split,
+    compiled on real ranks (schedule on), one forward and backward, and its strategy file's content:
+    with every rank's posted collective order in it (gathers and reductions of several sizes)."""
+    import tempfile
+
+    hca.init_mesh()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = hca.sharded({"*.weight": Shard(0)}, inputs=Shard(0), outputs=Shard(0))(zoo.TransformerBlock(64, 4, 128))
+    c = torch.compile(model, backend="hca", options={"strict": True}, dynamic=False)
+    c(torch.randn(4, 6, 64)).sum().backward()
+    with tempfile.TemporaryDirectory() as tmp:
+        return hca.report(c).save_strategy(f"{tmp}/s.json")

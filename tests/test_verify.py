@@ -206,6 +206,25 @@ def swapped_order(d, rng):
     return "group order"
 
 
+def swapped_on_one_rank(d, rng):
+    """Two different collectives swapped in one rank's posted order of a group (the others' kept):
+    that rank would wait in a collective its peers have not started."""
+    picks = [
+        (orders[direction], i)
+        for grp in _graph(d)["groups"].values()
+        if len(grp.get("ranks", {})) > 1
+        for orders in list(grp["ranks"].values())[1:]
+        for direction in ("forward", "backward")
+        for i in range(len(orders[direction]) - 1)
+        if orders[direction][i] != orders[direction][i + 1]
+    ]
+    if not picks:
+        return None
+    seq, i = rng.choice(picks)
+    seq[i], seq[i + 1] = seq[i + 1], seq[i]
+    return "per-rank order"
+
+
 def stale_digest(d, rng):
     p = rng.choice(list(d["model"]["parameters"].values()))
     p["shape"][0] *= 2
@@ -274,12 +293,24 @@ def _remove_collective(d, cid):
     g["collectives"].remove(c)
     issue = next(i for i in g["issued"] if i["id"] == c["issued_as"])
     issue["members"].remove(cid)
+    group = g["groups"][c["group"]]
+    at = group[c["direction"]].index(issue["id"])
     if issue["members"]:
         issue["bytes"] -= c["bytes"]
         issue["wire_bytes"] = bytes_per_rank(Kind(issue["kind"]), issue["bytes"], c["group_size"])
     else:
         g["issued"].remove(issue)
-        g["groups"][c["group"]][c["direction"]].remove(issue["id"])
+        group[c["direction"]].remove(issue["id"])
+    # Every rank's posted order with it: the entry gone, or the bucket's result smaller.
+    for orders in group.get("ranks", {}).values():
+        seq = orders[c["direction"]]
+        if issue["members"]:
+            kind, dtype, _ = seq[at].split(":", 2)
+            itemsize = getattr(torch, dtype.removeprefix("torch.")).itemsize
+            numel = issue["bytes"] // itemsize // (c["group_size"] if kind == "reduce_scatter" else 1)
+            seq[at] = f"{kind}:{dtype}:({numel},)"
+        else:
+            del seq[at]
     for other in g["collectives"]:
         if other["partner"] == cid:
             other["partner"] = None
@@ -332,6 +363,7 @@ MUTATIONS = [
     partner_of_another,
     backward_not_owed,
     swapped_order,
+    swapped_on_one_rank,
     stale_digest,
     wrong_participants,
     indivisible_shard,
@@ -348,9 +380,34 @@ MUTATIONS = [
 SEEDS = (0, 1, 2)
 
 
-def test_seeded_mutations_are_caught_and_named(strategies):
+@pytest.fixture(scope="module")
+def gloo_strategy(worlds):
+    """`dist_cases.strategy_of_fsdp_block`'s file from 2 real gloo ranks: each rank's posted order in it."""
+    import dist_cases
+
+    files = worlds(2).run(dist_cases.strategy_of_fsdp_block)
+    assert files[0] == files[1]  # one SPMD program: every rank writes the same file
+    return files[0]
+
+
+def test_real_ranks_post_their_orders_into_the_file(gloo_strategy):
+    """Every rank's order of each group, as it posted it on the first call, is in the file and the
+    verifier compares it with the group's order: the swap on one rank is named, with the rank."""
+    (group,) = _graph(gloo_strategy)["groups"].values()
+    assert set(group["ranks"]) == {"0", "1"} and group["ranks"]["0"] == group["ranks"]["1"]
+    assert [s.split(":")[0] for s in group["ranks"]["1"]["backward"]] == ["reduce_scatter", "all_reduce"]
+    assert hca.verify(gloo_strategy).ok
+    broken = copy.deepcopy(gloo_strategy)
+    broken["graphs"][0]["groups"]["0"]["ranks"]["1"]["backward"].reverse()
+    found = [str(p) for p in problems(broken)]
+    assert any(
+        "rank 1, backward: rule 'per-rank order': the file says collective #0 is all_reduce" in f for f in found
+    ), found
+
+
+def test_seeded_mutations_are_caught_and_named(strategies, gloo_strategy):
     tried, caught, missed = 0, 0, []
-    for name, data in strategies.items():
+    for name, data in {**strategies, "fsdp_block_gloo": gloo_strategy}.items():
         assert problems(data) == [], name  # the unbroken control
         for mutate in MUTATIONS:
             for seed in SEEDS:
@@ -371,7 +428,7 @@ def test_seeded_mutations_are_caught_and_named(strategies):
                     )
     print(
         f"\nverifier catch rate: {caught}/{tried} = {caught / tried:.0%} of seeded mutations "
-        f"({len(MUTATIONS)} kinds x {len(strategies)} files x {len(SEEDS)} seeds where applicable)"
+        f"({len(MUTATIONS)} kinds x {len(strategies) + 1} files x {len(SEEDS)} seeds where applicable)"
     )
     assert tried >= 100 and not missed, "\n".join(missed)
 

@@ -204,6 +204,10 @@ def _graph_entry(g: Any, mesh: dict) -> dict:
             },
         )
         grp[c["direction"]].append(c["id"])
+    for name, grp in groups.items():
+        ranks = _rank_orders(g, name)
+        if ranks:
+            grp["ranks"] = ranks
     return {
         "logical_digest": facts.get("logical_digest"),
         "values": values,
@@ -213,6 +217,19 @@ def _graph_entry(g: Any, mesh: dict) -> dict:
         "issued": issued,
         "groups": groups,
     }
+
+
+def _rank_orders(g: Any, group: str) -> dict[str, dict[str, list[str]]]:
+    """What each member of `group` posted as its issue order on the graph's first call, per
+    direction ("kind:dtype:shape" per collective; `torch_hca.compiler.checks.spmd_check`): the
+    orders every rank compiled, which the verifier compares with the file's. Only this rank's
+    where it had no peers to ask (a fake process group); none before the first call."""
+    out: dict[str, dict[str, list[str]]] = {}
+    for direction in ("forward", "backward"):
+        posted = (g.schedules.get(direction) or {}).get("per_rank") or {}
+        for rank, seq in (posted.get(group) or {}).items():
+            out.setdefault(str(rank), {"forward": [], "backward": []})[direction] = list(seq)
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
 def _placement_text(p: Placement) -> str:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Iterator
 
+import torch
+
 from torch_hca.spmd.collective_kinds import RULES, Kind, backward_kinds, bytes_per_rank
 
 from .rules import Graph, Problem, dim_groups, kind_of, letter
@@ -191,3 +193,72 @@ def groups(G: Graph) -> Iterator[Problem]:
                     f"position {first}: {order[first] if first < len(order) else 'nothing'}",
                     f"{program[first] if first < len(program) else 'nothing'} (the program's issue order)",
                 )
+        yield from _rank_orders(G, name, grp, where)
+
+
+def _dim_ok(G: Graph, grp: dict) -> bool:
+    d = grp.get("mesh_dim")
+    return isinstance(d, int) and 0 <= d < len(G.sizes)
+
+
+def _kind_and_bytes(posted: str, n: int) -> tuple[str, int | None]:
+    """A posted collective ("kind:dtype:shape", its result's) as (kind, payload bytes), the payload as
+    the file counts it: the whole buffer, which a reduce_scatter's result is one n-th of."""
+    kind, _, rest = posted.partition(":")
+    total = 0
+    for part in rest.split("+"):  # a collective of several results: each "dtype:shape"
+        dtype, _, shape = part.partition(":")
+        try:
+            size = getattr(torch, dtype.removeprefix("torch.")).itemsize
+            total += math.prod(int(x) for x in shape.strip("()").split(",") if x.strip()) * size
+        except (AttributeError, TypeError, ValueError):
+            return kind, None
+    return kind, total * (n if kind == Kind.REDUCE_SCATTER.value else 1)
+
+
+def _said(kind_bytes: tuple) -> str:
+    return f"{kind_bytes[0]} of {kind_bytes[1]} bytes"
+
+
+def _rank_orders(G: Graph, name: str, grp: dict, where: str) -> Iterator[Problem]:
+    """The orders the group's ranks compiled (``ranks``, where the file has them): each rank is a
+    member of the group, issues the group's collectives in the file's order (kind by kind), and
+    all issue the same sequence, so that none waits in a collective its peers never start."""
+    ranks = grp.get("ranks")
+    if not ranks:
+        return
+    members = {r for part in grp.get("participants") or [] for r in part}
+    first_rank, first = None, None
+    for rank, orders in ranks.items():
+        at = f"{where}, rank {rank}"
+        if members and not (rank.isdigit() and int(rank) in members):
+            yield Problem(
+                at, "per-rank order", f"an order for rank {rank}", f"orders of the group's ranks {sorted(members)}"
+            )
+            continue
+        for direction in ("forward", "backward"):
+            seq = list((orders or {}).get(direction) or [])
+            said = [_kind_and_bytes(str(d), G.sizes[grp["mesh_dim"]] if _dim_ok(G, grp) else 1) for d in seq]
+            want = [
+                (G.issued[i].get("kind"), G.issued[i].get("bytes")) for i in grp.get(direction, []) if i in G.issued
+            ]
+            if said != want:
+                k = next((i for i, (a, b) in enumerate(zip(said, want)) if a != b), min(len(said), len(want)))
+                yield Problem(
+                    f"{at}, {direction}",
+                    "per-rank order",
+                    f"collective #{k} is {seq[k] if k < len(seq) else 'nothing'}",
+                    f"{_said(want[k]) if k < len(want) else 'nothing'} (the group's order)",
+                )
+        if first is None:
+            first_rank, first = rank, orders
+        elif orders != first:
+            direction = next(d for d in ("forward", "backward") if (orders or {}).get(d) != (first or {}).get(d))
+            mine, theirs = list((orders or {}).get(direction) or []), list((first or {}).get(direction) or [])
+            k = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+            yield Problem(
+                f"{at}, {direction}",
+                "per-rank order",
+                f"collective #{k} is {mine[k] if k < len(mine) else 'nothing'}",
+                f"{theirs[k] if k < len(theirs) else 'nothing'}, as rank {first_rank} issues it (one order on every rank)",
+            )

@@ -17,8 +17,10 @@ from torch_hca.errors import CheckError
 from torch_hca.runtime.exchange import exchange, first_difference, needs_exchange
 
 
-def check_same_collectives(mine: dict[str, list[str]], what: str) -> None:
-    """Raise `CheckError` unless every member of each group this graph uses issues that group's collectives alike.
+def check_same_collectives(mine: dict[str, list[str]], what: str) -> dict[str, dict[int, list[str]]]:
+    """Raise `CheckError` unless every member of each group this graph uses issues that group's collectives alike;
+    else each group's sequence as each of its members posted it (group -> rank -> sequence: the
+    strategy file's per-rank orders; without peers, this rank's alone).
 
     ``mine``: group name -> its collectives in issue order (the schedule
     checker's `ScheduleSummary.per_group`). Group names are per rank (on a 2-D
@@ -28,7 +30,8 @@ def check_same_collectives(mine: dict[str, list[str]], what: str) -> None:
     none goes on to wait in a collective its peers will never issue.
     """
     if not needs_exchange():
-        return
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return {group: {rank: list(seq)} for group, seq in mine.items()}
     rank = dist.get_rank()
     # Each group's members travel with it: a rank outside a group cannot look its name up.
     members = [f"#{g}\t{','.join(map(str, group_members(g)))}" for g in mine]
@@ -57,6 +60,10 @@ def check_same_collectives(mine: dict[str, list[str]], what: str) -> None:
                     raise CheckError(
                         _describe_difference(f"{what}, group {group}", first, seqs[first], second, seqs[second])
                     )
+    return {
+        group: {r: per_rank[r].get(group, []) for r in sorted(per_rank) if r in in_group.get((rank, group), ())}
+        for group in mine
+    }
 
 
 def _describe_difference(what: str, rank: int, mine: list[str], other: int, theirs: list[str]) -> str:
