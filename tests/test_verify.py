@@ -6,6 +6,7 @@ The files are real: zoo models compiled on a fake process group (world 4), saved
 from __future__ import annotations
 
 import copy
+import math
 import random
 
 import pytest
@@ -225,6 +226,24 @@ def swapped_on_one_rank(d, rng):
     return "per-rank order"
 
 
+def wrong_residual_bytes(d, rng):
+    """A residual kept for the backward stated at other bytes than its shape and dtype hold."""
+    kept = _graph(d).get("residuals") or []
+    if not kept:
+        return None
+    rng.choice(kept)["bytes"] += rng.choice((-4, 4, 1024))
+    return "residual bytes"
+
+
+def residual_never_read(d, rng):
+    """A residual whose last backward reader is gone: held through the step for nothing."""
+    kept = _graph(d).get("residuals") or []
+    if not kept:
+        return None
+    rng.choice(kept)["last_read"] = {"node": None, "index": None}
+    return "residual read"
+
+
 def stale_digest(d, rng):
     p = rng.choice(list(d["model"]["parameters"].values()))
     p["shape"][0] *= 2
@@ -364,6 +383,8 @@ MUTATIONS = [
     backward_not_owed,
     swapped_order,
     swapped_on_one_rank,
+    wrong_residual_bytes,
+    residual_never_read,
     stale_digest,
     wrong_participants,
     indivisible_shard,
@@ -403,6 +424,22 @@ def test_real_ranks_post_their_orders_into_the_file(gloo_strategy):
     assert any(
         "rank 1, backward: rule 'per-rank order': the file says collective #0 is all_reduce" in f for f in found
     ), found
+
+
+def test_residuals_and_their_lifetimes_are_in_the_file(strategies):
+    """What each graph keeps for its backward: every residual made by a forward node or an input,
+    read last by a backward node, its bytes those of its shape and dtype."""
+    for name, data in strategies.items():
+        kept = _graph(data)["residuals"]
+        assert kept, name
+        for r in kept:
+            assert r["bytes"] == math.prod(r["shape"]) * getattr(torch, r["dtype"]).itemsize, (name, r)
+            assert r["made"]["node"] == "input" or r["made"]["index"] > 0, (name, r)
+            assert r["last_read"]["index"] > 0, (name, r)
+    # Shapes are this rank's: data parallel keeps its own 8 rows of each activation (of 32 over 4
+    # ranks) and the replicated 16 x 16 weights the input gradients need; nothing gathered.
+    shapes = {tuple(r["shape"]) for r in _graph(strategies["data_parallel"])["residuals"]}
+    assert shapes == {(8, 16), (16, 16)}, shapes
 
 
 def test_seeded_mutations_are_caught_and_named(strategies, gloo_strategy):

@@ -56,7 +56,10 @@ def _drop_move(g: dict, node: str, value: str) -> None:
     g["issued"] = [i for i in g["issued"] if not set(i["members"]) & gone]
     kept = {i["id"] for i in g["issued"]}
     for grp in g["groups"].values():
+        dropped = [k for k, i in enumerate(grp["forward"]) if i not in kept]
         grp["forward"] = [i for i in grp["forward"] if i in kept]
+        for orders in grp.get("ranks", {}).values():  # each rank's posted order with it
+            orders["forward"] = [c for k, c in enumerate(orders["forward"]) if k not in dropped]
 
 
 def test_a_partial_written_as_replicate_is_named(tp_file):

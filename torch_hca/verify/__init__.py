@@ -26,12 +26,24 @@ from .collective_rules import collectives, groups, issued, owed
 from .numeric import Numeric
 from .numeric import check as numeric_check
 from .op_rules import OpTally, op_placement, tally
+from .residual_rules import residuals
 from .retrace import Traced, against_model, parameters_of, trace
 from .rules import Graph, Problem, mesh_and_model, moves, parameters, partial_reduced, placements, structure
 
 __all__ = ["Problem", "Verification", "problems", "verify"]
 
-GRAPH_RULES = (placements, parameters, partial_reduced, op_placement, moves, collectives, owed, issued, groups)
+GRAPH_RULES = (
+    placements,
+    parameters,
+    partial_reduced,
+    op_placement,
+    moves,
+    collectives,
+    owed,
+    issued,
+    groups,
+    residuals,
+)
 
 
 @dataclass
