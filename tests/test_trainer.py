@@ -61,6 +61,8 @@ def test_resuming_from_a_checkpoint_continues_as_if_never_stopped(worlds):
         assert r["param_err"] <= TOL and r["reference_err"] <= TOL, r
         assert len(r["logged"]) == trainer_cases.STEPS and r["loss_err"] <= TOL, r
         assert r["forgetful_err"] > 100 * TOL, r  # the comparison sees momentum: the control fails it
+        # Under another plan with reshard=True: the pieces moved to the new layout, steps 3 and 4 as before.
+        assert r["resharded_layout"] == "(Shard(dim=1),)" and r["resharded_err"] <= TOL, r
     found = results[0]["refused"]
     assert results[1]["refused"] == found, results
     fix = r"or start a new run from its weights: hca.sharded\(plan, ...\)\(\w+.from_pretrained\("
@@ -70,7 +72,8 @@ def test_resuming_from_a_checkpoint_continues_as_if_never_stopped(worlds):
         + fix,
         "another plan": r"CheckpointError: hca.Trainer: .*parameter 'transformer.h.0.mlp.c_fc.weight' was saved laid out "
         r"as \(R\) over a \(2,\) mesh and is \(S\(1\)\) over a \(2,\) mesh here: the checkpoint is of another plan; "
-        r"resume with the plan it was trained under, " + fix,
+        r"resume with the plan it was trained under, or pass hca.Trainer\(..., reshard=True\) to load it into this "
+        r"plan's layout, " + fix,
     }
     for name, pattern in expected.items():
         assert re.match(pattern, found[name]), (name, found[name])

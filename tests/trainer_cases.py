@@ -202,7 +202,7 @@ def train_like_one_device(hca_options: dict) -> dict[str, Any]:
     }
 
 
-def _resuming_trainer(run: dict, plan: dict, collator=None):
+def _resuming_trainer(run: dict, plan: dict, collator=None, **trainer_options):
     mesh = hca.init_mesh()
     model = hca.sharded(plan, mesh=mesh, inputs=Shard(0), outputs=Shard(0), loss_reduction="mean")(_gpt2())
     return hca.Trainer(
@@ -210,6 +210,7 @@ def _resuming_trainer(run: dict, plan: dict, collator=None):
         args=_args(_shared_dir()),
         train_dataset=_Rows(run["ids"]),
         data_collator=collator or _RecordingCollator(),
+        **trainer_options,
     )
 
 
@@ -269,6 +270,12 @@ def resume_like_uninterrupted(hca_options: dict) -> dict[str, Any]:
         trainer._load_optimizer_and_scheduler = lambda checkpoint: None
         trainer.train(resume_from_checkpoint=checkpoint)
         forgetful = {n: p.full_tensor().detach() for n, p in trainer.model.named_parameters()}
+        # The same checkpoint loaded into that plan (reshard=True): it trains on as if never stopped.
+        torch._dynamo.reset()  # a new mesh: a resume in a new process starts so
+        resharded = _resuming_trainer(run, {"transformer.h.*.mlp.c_fc.weight": Shard(1)}, reshard=True)
+        resharded.train(resume_from_checkpoint=checkpoint)
+        resharded_params = {n: p.full_tensor().detach().clone() for n, p in resharded.model.named_parameters()}
+        resharded_layout = str(dict(resharded.model.named_parameters())["transformer.h.0.mlp.c_fc.weight"].placements)
     finally:
         torch.set_num_threads(threads)
     return {
@@ -282,6 +289,8 @@ def resume_like_uninterrupted(hca_options: dict) -> dict[str, Any]:
         "step": step,
         "refused": refused,
         "forgetful_err": max(_rel(p, run["params"][n]) for n, p in forgetful.items()),
+        "resharded_err": max(_rel(p, run["params"][n]) for n, p in resharded_params.items()),
+        "resharded_layout": resharded_layout,
     }
 
 

@@ -102,12 +102,23 @@ class Trainer(transformers.Trainer):
     """``transformers.Trainer`` for an `hca.sharded` model: no DDP, forward compiled with ``backend="hca"``.
 
     ``hca_options`` is passed to ``torch.compile(..., options=)`` (docs/api.md, backend options).
+    ``reshard=True`` resumes a checkpoint written under another plan on the same number of ranks:
+    `hca.load` moves the parameters' and the optimizer's pieces to this model's layout.
     Every rank constructs it and calls ``train()`` (``resume_from_checkpoint=`` one of its checkpoints
     included), ``evaluate()`` and ``save_model()``.
     """
 
-    def __init__(self, model: Any = None, args: Any = None, *rest: Any, hca_options: dict | None = None, **kwargs):
+    def __init__(
+        self,
+        model: Any = None,
+        args: Any = None,
+        *rest: Any,
+        hca_options: dict | None = None,
+        reshard: bool = False,
+        **kwargs,
+    ):
         _check_model(model)
+        self.hca_reshard = bool(reshard)
         if args is None:  # Trainer's own default
             args = transformers.TrainingArguments(output_dir="tmp_trainer")
         _check_args(args)
@@ -145,11 +156,11 @@ class Trainer(transformers.Trainer):
         trainer_checkpoint.save_state(self, output_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        trainer_checkpoint.load_model(self.model if model is None else model, resume_from_checkpoint)
+        trainer_checkpoint.load_model(self.model if model is None else model, resume_from_checkpoint, self.hca_reshard)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is not None:
-            trainer_checkpoint.load_state(self, checkpoint)
+            trainer_checkpoint.load_state(self, checkpoint, self.hca_reshard)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         super()._save(output_dir, state_dict=state_dict)

@@ -87,23 +87,26 @@ def _check_plan(model: Any, manifest: dict, what: str, start_over: str) -> None:
             )
 
 
-def resumable_state(model: Any, checkpoint: str) -> str:
-    """The checkpoint's hca_state version to load, checked against this world and this model's plan."""
+def resumable_state(model: Any, checkpoint: str, reshard: bool = False) -> str:
+    """The checkpoint's hca_state version to load, checked against this world and (unless `reshard`:
+    hca.load moves the pieces to this plan's layout) this model's plan."""
     what = f"hca.Trainer: resume_from_checkpoint={checkpoint!r}"
     world = dist.get_world_size() if dist.is_initialized() else 1
     start_over = _from_weights(model, checkpoint)
     found = on_rank0(lambda: _whole(checkpoint, world, what, start_over), what)
-    _check_plan(model, found["manifest"], what, start_over)
+    if not reshard:
+        into_this_plan = "or pass hca.Trainer(..., reshard=True) to load it into this plan's layout, "
+        _check_plan(model, found["manifest"], what, into_this_plan + start_over)
     return found["dir"]
 
 
-def load_model(model: Any, checkpoint: str) -> None:
+def load_model(model: Any, checkpoint: str, reshard: bool = False) -> None:
     """Every rank: the parameters, each rank its own pieces, from the checkpoint's hca_state."""
-    load(model, None, resumable_state(model, checkpoint))
+    load(model, None, resumable_state(model, checkpoint, reshard), reshard=reshard)
 
 
-def load_state(trainer: Any, checkpoint: str) -> None:
+def load_state(trainer: Any, checkpoint: str, reshard: bool = False) -> None:
     """Every rank: the parameters and the optimizer's state (hca.load), then the scheduler's."""
-    load(trainer.model, _optimizer(trainer), resumable_state(trainer.model, checkpoint))
+    load(trainer.model, _optimizer(trainer), resumable_state(trainer.model, checkpoint, reshard), reshard=reshard)
     scheduler = torch.load(os.path.join(checkpoint, SCHEDULER), map_location="cpu", weights_only=True)
     trainer.lr_scheduler.load_state_dict(scheduler)
