@@ -174,19 +174,13 @@ def groups(G: Graph) -> Iterator[Problem]:
     for name, grp in G.g["groups"].items():
         where = f"{G.where}, group {name!r}"
         d = grp.get("mesh_dim")
-        if (
-            isinstance(d, int)
-            and 0 <= d < len(G.sizes)
-            and grp.get("participants") != dim_groups(G.data["mesh"]["ranks"], d)
-        ):
+        if _dim_ok(G, grp) and grp.get("participants") != dim_groups(G.data["mesh"]["ranks"], d):
             yield Problem(where, "participants", grp.get("participants"), dim_groups(G.data["mesh"]["ranks"], d))
         for direction in ("forward", "backward"):
             program = [iid for iid, c in G.issued.items() if c.get("group") == name and c.get("direction") == direction]
             order = grp.get(direction, [])
             if order != program:
-                first = next(
-                    (i for i, (a, b) in enumerate(zip(order, program)) if a != b), min(len(order), len(program))
-                )
+                first = _first_difference(order, program)
                 yield Problem(
                     f"{where}, {direction}",
                     "group order",
@@ -194,6 +188,11 @@ def groups(G: Graph) -> Iterator[Problem]:
                     f"{program[first] if first < len(program) else 'nothing'} (the program's issue order)",
                 )
         yield from _rank_orders(G, name, grp, where)
+
+
+def _first_difference(a: list, b: list) -> int:
+    """The first position where two sequences differ (the shorter's length where one extends the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _dim_ok(G: Graph, grp: dict) -> bool:
@@ -238,12 +237,13 @@ def _rank_orders(G: Graph, name: str, grp: dict, where: str) -> Iterator[Problem
             continue
         for direction in ("forward", "backward"):
             seq = list((orders or {}).get(direction) or [])
-            said = [_kind_and_bytes(str(d), G.sizes[grp["mesh_dim"]] if _dim_ok(G, grp) else 1) for d in seq]
+            n = G.sizes[grp["mesh_dim"]] if _dim_ok(G, grp) else 1
+            said = [_kind_and_bytes(str(d), n) for d in seq]
             want = [
                 (G.issued[i].get("kind"), G.issued[i].get("bytes")) for i in grp.get(direction, []) if i in G.issued
             ]
             if said != want:
-                k = next((i for i, (a, b) in enumerate(zip(said, want)) if a != b), min(len(said), len(want)))
+                k = _first_difference(said, want)
                 yield Problem(
                     f"{at}, {direction}",
                     "per-rank order",
@@ -255,7 +255,7 @@ def _rank_orders(G: Graph, name: str, grp: dict, where: str) -> Iterator[Problem
         elif orders != first:
             direction = next(d for d in ("forward", "backward") if (orders or {}).get(d) != (first or {}).get(d))
             mine, theirs = list((orders or {}).get(direction) or []), list((first or {}).get(direction) or [])
-            k = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+            k = _first_difference(mine, theirs)
             yield Problem(
                 f"{at}, {direction}",
                 "per-rank order",
