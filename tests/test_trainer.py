@@ -63,6 +63,9 @@ def test_resuming_from_a_checkpoint_continues_as_if_never_stopped(worlds):
         assert r["forgetful_err"] > 100 * TOL, r  # the comparison sees momentum: the control fails it
         # Under another plan with reshard=True: the pieces moved to the new layout, steps 3 and 4 as before.
         assert r["resharded_layout"] == "(Shard(dim=1),)" and r["resharded_err"] <= TOL, r
+        # The resumed program is the new plan's, not the checkpoint's: one more forward all_gather
+        # than the DP run's one (the split c_fc's), and none backward.
+        assert r["resharded_collectives"] == {"forward": {"all_gather": 2}, "backward": {}}, r
     found = results[0]["refused"]
     assert results[1]["refused"] == found, results
     fix = r"or start a new run from its weights: hca.sharded\(plan, ...\)\(\w+.from_pretrained\("

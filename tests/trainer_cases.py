@@ -7,6 +7,7 @@ the global batches Trainer made (rank 0's rows, then rank 1's, ...), whatever it
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import tempfile
 from typing import Any
@@ -271,11 +272,19 @@ def resume_like_uninterrupted(hca_options: dict) -> dict[str, Any]:
         trainer.train(resume_from_checkpoint=checkpoint)
         forgetful = {n: p.full_tensor().detach() for n, p in trainer.model.named_parameters()}
         # The same checkpoint loaded into that plan (reshard=True): it trains on as if never stopped.
-        torch._dynamo.reset()  # a new mesh: a resume in a new process starts so
+        # A resume in a new process starts with nothing of the runs before it: the trainers above
+        # (their compiled code, their pending work) are dropped and the ranks meet before the new
+        # mesh, as they would in a fresh job. (Once, on CI, a rank crashed in gloo inside this
+        # resume's clip_grad_norm with the earlier trainers still alive; not reproduced since.)
+        del trainer, other_plan
+        gc.collect()
+        dist.barrier()
+        torch._dynamo.reset()
         resharded = _resuming_trainer(run, {"transformer.h.*.mlp.c_fc.weight": Shard(1)}, reshard=True)
         resharded.train(resume_from_checkpoint=checkpoint)
         resharded_params = {n: p.full_tensor().detach().clone() for n, p in resharded.model.named_parameters()}
         resharded_layout = str(dict(resharded.model.named_parameters())["transformer.h.0.mlp.c_fc.weight"].placements)
+        resharded_collectives = {d: hca.report(resharded.model).collective_counts(d) for d in ("forward", "backward")}
     finally:
         torch.set_num_threads(threads)
     return {
@@ -291,6 +300,7 @@ def resume_like_uninterrupted(hca_options: dict) -> dict[str, Any]:
         "forgetful_err": max(_rel(p, run["params"][n]) for n, p in forgetful.items()),
         "resharded_err": max(_rel(p, run["params"][n]) for n, p in resharded_params.items()),
         "resharded_layout": resharded_layout,
+        "resharded_collectives": resharded_collectives,
     }
 
 
