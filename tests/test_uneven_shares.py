@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import pickle
 
+import torch
+
 import pytest
 import torch.nn as nn
 from torch.distributed.tensor import Shard as TorchShard
@@ -174,3 +176,95 @@ def test_reading_the_whole_batch_or_its_size_is_refused(worlds, kind, says):
     errors = worlds(2).run(uneven_cases.refused, kind)
     for e in errors:
         assert e.startswith("UnsupportedError") and says in e, e
+
+
+# ----------------------------------------------------------------------------- the strategy file
+
+
+@pytest.fixture(scope="module")
+def shares_strategy(worlds):
+    """A mean inside forward, the batch of 8 cut 1:3 over 2 gloo ranks: each rank's strategy file,
+    its reload, and the reload refused under shares 3:5 and under an even cut."""
+    return worlds(2).run(uneven_cases.strategy_by_shares, (1, 3), 8, (3, 5))
+
+
+def test_a_strategy_under_shares_is_written_alike_by_every_rank_and_names_its_shares(shares_strategy):
+    first, second = shares_strategy
+    assert first["text"] == second["text"]  # rank 1's 6 rows and rank 0's 2 give one file
+    g = first["file"]["graphs"][0]
+    assert g["shares"] == {
+        "mesh_dim": 0,
+        "shares": [1, 3],
+        "group": g["shares"]["group"],
+        "weights": [0.25, 0.75],
+        "weighted_means": ["out"],
+    }, g["shares"]
+    # The rows are a symbol every rank traced alike (n times its own piece), written as its text.
+    dim = g["values"]["linear"]["shape"][0]
+    assert isinstance(dim, str) and dim.startswith("2*") and g["values"]["y"]["shape"] == [dim, 8], g["values"]
+    assert g["values"]["weighted_sum"]["placements"] == ["P(sum)"] and g["values"]["out"]["placements"] == ["P(avg)"]
+    assert hca.verify(first["file"]).ok
+
+
+def test_a_strategy_under_shares_loads_and_trains_as_one_device(shares_strategy):
+    for r in shares_strategy:
+        assert r["layout"].startswith("strategy file"), r["layout"]
+        assert r["loss_err"] <= TOL and max(r["grad_errs"].values()) <= TOL, r
+
+
+def test_a_strategy_under_shares_refuses_another_cut_naming_both(shares_strategy):
+    for r in shares_strategy:
+        said = "the file says shares (1, 3) on mesh dim 0, this compile has"
+        assert (
+            f"StrategyError: strategy file: made for another cut of the inputs: {said} shares (3, 5)"
+            in r["refused"]["other shares"]
+        ), r["refused"]
+        assert f"{said} no shares (every piece even)" in r["refused"]["even"], r["refused"]
+
+
+def test_the_verifier_checks_a_strategy_under_shares_against_the_model(shares_strategy):
+    data = shares_strategy[0]["file"]
+    torch.manual_seed(0)
+    model = uneven_cases.MeanInside("loss")
+    found = hca.verify(model, data, (torch.randn(8, 8),))
+    # The symbol bound by the example's 8 rows, every value's shape compared; the float64 run says it did not run.
+    assert found.ok and "not compared: every graph: its inputs are cut by shares" in str(found.numeric), found
+    odd = hca.verify(model, data, (torch.randn(7, 8),), raise_on_failure=False)
+    assert {p.rule for p in odd.problems} >= {"model inputs"}, odd
+
+
+def _mutated(data: dict, change) -> set[str]:
+    data = copy.deepcopy(data)
+    change(data["graphs"][0], data)
+    return {p.rule for p in hca.verify(data, raise_on_failure=False).problems}
+
+
+def _residual_bytes_off_by_four(g, _):
+    r = next(r for r in g["residuals"] if isinstance(r["bytes"], str))
+    r["bytes"] += "+4"
+
+
+def _parameter_split(g, data):
+    name = next(iter(data["model"]["parameters"]))
+    data["model"]["parameters"][name]["placements"] = ["S(0)"]
+
+
+def _forward_gather(g, _):
+    next(c for c in g["collectives"] if c["direction"] == "forward")["kind"] = "all_gather"
+
+
+@pytest.mark.parametrize(
+    "change, rule",
+    [
+        (lambda g, _: g["shares"].update(weights=[0.5, 0.5]), "share weights"),
+        (lambda g, _: g["shares"].update(shares=[1, 3, 1]), "shares"),
+        (lambda g, _: g["outputs"][0].update(value="out"), "shares: weighted means"),  # the unweighted mean returned
+        (lambda g, _: g["shares"].update(weighted_means=["y"]), "shares: weighted means"),
+        (_parameter_split, "shares: parameters whole"),
+        (_forward_gather, "shares: forward sums"),
+        (_residual_bytes_off_by_four, "residual bytes"),  # a symbolic size checked at the sample sizes
+        (lambda g, _: g["values"]["y"].update(shape=["__import__('os')", 8]), "sizes"),  # read, never run
+    ],
+)
+def test_the_verifier_catches_what_shares_forbid(shares_strategy, change, rule):
+    assert rule in _mutated(shares_strategy[0]["file"], change)

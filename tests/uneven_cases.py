@@ -233,3 +233,63 @@ def measured_deployment(delay_s: float) -> dict:
 
     dep = hca.Deployment.measure(step=lambda: time.sleep((1 + dist.get_rank()) * delay_s), rounds=3)
     return dep.to_dict()
+
+
+def strategy_by_shares(shares: tuple[int, ...], batch: int, other: tuple[int, ...]) -> dict:
+    """`MeanInside` cut by `shares`: its strategy file saved on this rank, then loaded by a fresh
+    compile of the same model (loss and gradients against one device); and the file given to a
+    compile cut by `other` shares and to one cut evenly (the refusals, as text)."""
+    import json
+    import os
+    import tempfile
+
+    torch._dynamo.reset()
+    mesh = hca.init_mesh()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = MeanInside("loss")
+    fresh = copy.deepcopy(ref)
+    x = torch.randn(batch, 8)
+
+    def piece(cut_rows):
+        return x[sum(cut_rows[:rank]) : sum(cut_rows[: rank + 1])]
+
+    def compiled(cut, strategy=None):
+        model = hca.sharded({}, mesh=mesh, inputs=cut, outputs=hca.Replicate())(copy.deepcopy(fresh))
+        return model, torch.compile(model, backend="hca", options={"strategy": strategy} if strategy else {})
+
+    rows = rows_for(shares, batch)
+    _, first = compiled(hca.Shard(0, shares=shares))
+    first(piece(rows)).backward()
+    path = os.path.join(tempfile.mkdtemp(prefix="hca_shares_"), "strategy.json")
+    hca.report(first).save_strategy(path)
+    torch._dynamo.reset()
+    model, loaded = compiled(hca.Shard(0, shares=shares), path)
+    loss = loaded(piece(rows))
+    loss.backward()
+    ref_loss = ref(x)
+    ref_loss.backward()
+    refused = {}
+    for name, cut, cut_rows in (
+        ("other shares", hca.Shard(0, shares=other), rows_for(other, batch)),
+        ("even", hca.Shard(0), (batch // n,) * n),
+    ):
+        torch._dynamo.reset()
+        try:
+            compiled(cut, path)[1](piece(cut_rows))
+            refused[name] = "no error"
+        except Exception as e:  # Dynamo wraps the backend's error
+            cause = e.__cause__ or e
+            refused[name] = f"{type(cause).__name__}: {cause}"
+    with open(path) as f:
+        text = f.read()
+    return {
+        "file": json.loads(text),
+        "text": text,
+        "layout": hca.report(loaded).graph.layout.solver,
+        "loss_err": _rel(loss, ref_loss),
+        "grad_errs": {
+            n: _rel(p.grad, q.grad) for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())
+        },
+        "refused": refused,
+    }

@@ -30,6 +30,8 @@ from torch_hca.spmd.collective_kinds import RULES, Kind, bytes_per_rank, move_ki
 from torch_hca.spmd.collective_nodes import OPS, node_group, node_kind, node_payload, payload_bytes
 from torch_hca.spmd.placements import dtype_str, layout_str, layout_texts, text_letter
 
+from torch_hca.report.strategy_residuals import residuals
+
 SCHEMA = "torch_hca.strategy"
 VERSION = 1
 SOLVER_REASON = " reads it so ("  # passes/layout.py's reason for a move the solver (or a strategy file) chose
@@ -65,6 +67,10 @@ def logical_digest(gm: fx.GraphModule) -> str:
     lines = []
     for node in gm.graph.nodes:
         v = node.meta.get("example_value")
+        if node.op == "placeholder" and isinstance(v, torch.SymInt):
+            # A size Dynamo passes in (a piece's storage offset under shares): ranks can differ in
+            # these while tracing one program; the sizes themselves are in the shapes below.
+            continue
         shape = f"{list(v.shape)}:{v.dtype}" if isinstance(v, torch.Tensor) else ""
         lines.append(f"{node.op} {node.name} {_target(node)} {_arg_text(node.args)} {_arg_text(node.kwargs)} {shape}")
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:32]
@@ -216,53 +222,9 @@ def _graph_entry(g: Any, mesh: dict) -> dict:
         "collectives": collectives,
         "issued": issued,
         "groups": groups,
-        "residuals": _residuals(g),
+        "residuals": residuals(g),
+        "shares": _shares(g),
     }
-
-
-def _residuals(g: Any) -> list[dict]:
-    """What the forward keeps for the backward, with its lifetime: each value the backward graph takes
-    besides the cotangents, its local shape, dtype and bytes on this rank, the forward node that
-    makes it (index in the forward graph, or ``input`` for a kept argument) and the backward node
-    that reads it last (index in the backward graph), after which it can be freed."""
-    if g.forward is None or g.backward is None:
-        return []
-    index_of = {n: i for i, n in enumerate(g.forward.graph.nodes)}
-    (fw_out,) = g.forward.graph.find_nodes(op="output")
-    returned = list(fw_out.args[0])
-    saved = [n for n in g.backward.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
-    # The forward returns its outputs, then what it saves, in the order the backward takes them
-    # (AOTAutograd's partition); the names may differ after the schedule pass renames its waits.
-    makers = returned[len(returned) - len(saved) :] if len(saved) <= len(returned) else [None] * len(saved)
-    if not all(_same_value(m, n) for m, n in zip(makers, saved)):  # another order: pair by name
-        by_name = {n.name: n for n in g.forward.graph.nodes}
-        makers = [by_name.get(n.name) for n in saved]
-    last: dict[str, tuple[int, str]] = {}
-    for i, node in enumerate(g.backward.graph.nodes):
-        for a in node.all_input_nodes:
-            last[a.name] = (i, node.name)
-    out = []
-    for node, maker in zip(saved, makers):
-        val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            continue
-        index, reader = last.get(node.name, (None, None))
-        made = (
-            {"node": "input", "index": None}
-            if isinstance(maker, fx.Node) and maker.op == "placeholder"
-            else {"node": getattr(maker, "name", None), "index": index_of.get(maker)}
-        )
-        out.append(
-            {
-                "value": node.name,
-                "shape": list(val.shape),
-                "dtype": dtype_str(val.dtype),
-                "bytes": val.numel() * val.element_size(),
-                "made": made,
-                "last_read": {"node": reader, "index": index},
-            }
-        )
-    return out
 
 
 def _rank_orders(g: Any, group: str) -> dict[str, dict[str, list[str]]]:
@@ -276,14 +238,6 @@ def _rank_orders(g: Any, group: str) -> dict[str, dict[str, list[str]]]:
         for rank, seq in (posted.get(group) or {}).items():
             out.setdefault(str(rank), {"forward": [], "backward": []})[direction] = list(seq)
     return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
-
-
-def _same_value(a: Any, b: fx.Node) -> bool:
-    """Whether forward output `a` and backward input `b` hold a value of one type, shape and dtype."""
-    va, vb = getattr(a, "meta", {}).get("val"), b.meta.get("val")
-    if isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor):
-        return va.shape == vb.shape and va.dtype == vb.dtype
-    return type(va) is type(vb)
 
 
 def _placement_text(p: Placement) -> str:
@@ -383,6 +337,32 @@ def _link(moves: list[dict], collectives: list[dict]) -> None:
             step["backward"] = partner["kind"] if partner else None
 
 
+def _shares(g: Any) -> dict | None:
+    """The shares a graph's forward arguments are cut by (docs/heterogeneous.md), or None."""
+    u = g.uneven
+    if u is None:
+        return None
+    return {
+        "mesh_dim": u.mesh_dim,
+        "shares": list(u.shares),
+        "group": u.group,
+        "weights": [s / sum(u.shares) for s in u.shares],
+        "weighted_means": list(g.weighted_means),
+    }
+
+
+def _plain(obj: Any) -> Any:
+    """`obj` with every symbolic size as its text: under shares the traced program's rows are a
+    symbol (``2*s0``: n times this rank's piece), the same text on every rank."""
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, (torch.SymInt, torch.SymFloat)):
+        return str(obj)
+    return obj
+
+
 def model_digest(model: dict) -> str:
     """The digest of the model section (all but its own ``digest``): parameters and logical graphs."""
     body = {k: v for k, v in model.items() if k != "digest"}
@@ -426,7 +406,7 @@ def build(rep: Any) -> dict:
         "mesh": mesh,
         "world_size": math.prod(mesh["shape"]),
         "model": model,
-        "graphs": [_graph_entry(g, mesh) for g in graphs],
+        "graphs": [_plain(_graph_entry(g, mesh)) for g in graphs],
     }
 
 

@@ -81,8 +81,11 @@ def _structure(data: Any) -> str | None:
     return None
 
 
-def match_graph(data: dict, facts: dict, mesh_shape: list[int], parameters: dict, graph: str) -> dict:
-    """The file's entry for this graph, or StrategyError naming the first difference."""
+def match_graph(
+    data: dict, facts: dict, mesh_shape: list[int], parameters: dict, graph: str, shares: dict | None = None
+) -> dict:
+    """The file's entry for this graph, or StrategyError naming the first difference. `shares`: this
+    compile's uneven shares (``{"mesh_dim", "shares"}``), None where the inputs are cut evenly."""
     world = math.prod(mesh_shape)
 
     def differ(what: str, says: Any, here: Any) -> StrategyError:
@@ -105,6 +108,11 @@ def match_graph(data: dict, facts: dict, mesh_shape: list[int], parameters: dict
         for key in ("shape", "dtype", "placements"):
             if known[name][key] != mine[key]:
                 raise differ("model", f"parameter {name!r} {key} {known[name][key]}", f"{mine[key]}")
+    # Before the digest (which the shares change too): the difference as the user wrote it.
+    cuts = [_cut(g.get("shares")) for g in data["graphs"]]
+    if _cut(shares) not in cuts:
+        said = " or ".join(sorted({c or "no shares (every piece even)" for c in cuts}))
+        raise differ("cut of the inputs", said, _cut(shares) or "no shares (every piece even)")
     entry = next((g for g in data["graphs"] if g["logical_digest"] == facts["logical_digest"]), None)
     if entry is None:
         raise differ(
@@ -113,6 +121,13 @@ def match_graph(data: dict, facts: dict, mesh_shape: list[int], parameters: dict
             f"{facts['logical_digest']} (the forward's code, an input's shape or dtype differs)",
         )
     return entry
+
+
+def _cut(shares: dict | None) -> str | None:
+    """Shares as the refusal names them: ``shares (1, 3) on mesh dim 0``."""
+    if not isinstance(shares, dict):
+        return None
+    return f"shares {tuple(shares.get('shares') or ())} on mesh dim {shares.get('mesh_dim')}"
 
 
 def moves_to_replay(entry: dict) -> list[tuple[str, tuple[Placement, ...], tuple[Placement, ...], list[str]]]:

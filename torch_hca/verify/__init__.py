@@ -29,6 +29,8 @@ from .op_rules import OpTally, op_placement, tally
 from .residual_rules import residuals
 from .retrace import Traced, against_model, parameters_of, trace
 from .rules import Graph, Problem, mesh_and_model, moves, parameters, partial_reduced, placements, structure
+from .share_rules import shares
+from .sizes import binding_for, instantiate, sample_bindings, symbols
 
 __all__ = ["Problem", "Verification", "problems", "verify"]
 
@@ -43,6 +45,7 @@ GRAPH_RULES = (
     issued,
     groups,
     residuals,
+    shares,
 )
 
 
@@ -97,21 +100,43 @@ def problems(data: Any) -> list[Problem]:
     if found:
         return found
     found = mesh_and_model(data)
-    for i, g in enumerate(data["graphs"]):
-        graph = Graph(i, g, data)
-        for rule in GRAPH_RULES:
-            try:
-                found += list(rule(graph))
-            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-                found.append(
-                    Problem(
-                        graph.where,
-                        rule.__name__,
-                        f"a malformed entry ({type(e).__name__}: {e})",
-                        "the fields docs/strategy.md lists",
+    try:
+        copies = sized_copies(data)
+    except (ValueError, ZeroDivisionError) as e:
+        return [*found, Problem("file", "sizes", str(e), "an integer, or an expression of sizes")]
+    for sized in copies:
+        for i, g in enumerate(sized["graphs"]):
+            graph = Graph(i, g, sized)
+            for rule in GRAPH_RULES:
+                try:
+                    found += list(rule(graph))
+                except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+                    found.append(
+                        Problem(
+                            graph.where,
+                            rule.__name__,
+                            f"a malformed entry ({type(e).__name__}: {e})",
+                            "the fields docs/strategy.md lists",
+                        )
                     )
-                )
-    return found
+    once = {}  # a problem found at both sample sizes is named once, at the first
+    for p in found:
+        once.setdefault((p.where, p.rule), p)
+    return list(once.values())
+
+
+def sized_copies(data: dict) -> list[dict]:
+    """The file as the rules read it: itself, or, where sizes are symbolic (a module cut by shares
+    traces its rows as a symbol), a copy at each sample size of the symbols (`torch_hca.verify.sizes`)."""
+    names = symbols(data["graphs"])
+    return [instantiate(data, b) for b in sample_bindings(names)] if names else [data]
+
+
+def _first_sized(data: dict) -> dict:
+    try:
+        return sized_copies(data)[0]
+    except (ValueError, ZeroDivisionError):
+        return data  # `problems` names it
 
 
 def verify(
@@ -140,7 +165,7 @@ def verify(
     data, name = _read(strategy if model is not None else model_or_strategy)
     result = Verification(name, problems(data))
     if not structure(data):
-        result.op_rules = tally(data)
+        result.op_rules = tally(_first_sized(data))
     traced = None  # the model re-traced: the numerical check runs its graphs again
     if model is not None and not structure(data):
         found, traced = _against(model, data, example_inputs, result)
@@ -149,7 +174,11 @@ def verify(
         numeric = example_inputs is not None
     if numeric and example_inputs is None:
         raise StrategyError("hca.verify(..., numeric=True): the numerical check needs example inputs")
-    if numeric and model is not None and result.ok:
+    if numeric and model is not None and result.ok and _cut_by_shares(data):
+        # The check cuts each example input as the placements say, evenly; under shares each rank's
+        # piece is its share, which it does not simulate yet (docs/strategy.md, "Not yet").
+        result.numeric = Numeric(skipped=["every graph: its inputs are cut by shares, and this check cuts them evenly"])
+    elif numeric and model is not None and result.ok:
         found, result.numeric = numeric_check(model, data, example_inputs, traced=traced)
         result.problems += found
     if isinstance(data, dict) and isinstance(data.get("graphs"), list):
@@ -162,6 +191,23 @@ def verify(
             f"hca.verify: {len(result.problems)} problem(s) in {name}:\n" + "\n".join(f"  {p}" for p in result.problems)
         )
     return result
+
+
+def _cut_by_shares(data: Any) -> bool:
+    return isinstance(data, dict) and any(isinstance(g, dict) and g.get("shares") for g in data.get("graphs") or [])
+
+
+def _bound(data: dict, traced: Traced) -> dict:
+    """The file with its symbolic sizes (a module cut by shares) at the values the example inputs give
+    them: the sizes the re-traced model has; the first sample size where none fits (the inputs rule names it)."""
+    names = symbols(data["graphs"])
+    if not names:
+        return data
+    binding = binding_for(data["graphs"], traced.inputs) or sample_bindings(names)[0]
+    try:
+        return instantiate(data, binding)
+    except (ValueError, ZeroDivisionError):
+        return data  # `problems` names the size it cannot read
 
 
 def _model_form(first: Any, strategy: Any, example_inputs: Any) -> nn.Module | None:
@@ -188,7 +234,7 @@ def _against(model: nn.Module, data: dict, example_inputs: Any, result: Verifica
         result.model = f"{name} (parameters only: no example inputs to re-trace)"
         return against_model(data, Traced(parameters=parameters_of(model)), graphs=False), None
     traced = trace(model, example_inputs, data)
-    found = against_model(data, traced)
+    found = against_model(_bound(data, traced), traced)
     n = traced.compared
     result.model = (
         f"{name} (re-traced: {len(traced.ops)} graph(s), {sum(map(len, traced.ops))} ops; the file's op values "

@@ -187,6 +187,7 @@ def weight_partial_means(gm: fx.GraphModule, uneven: UnevenShares) -> list[str]:
         with gm.graph.inserting_after(node):
             summed = gm.graph.call_function(dtensor_ops.weighted_sum, (node, uneven.mesh_dim, weight))
         summed.meta.update(node.meta)
+        summed.meta.pop("hca_layout", None)  # the mean's layout (Partial avg); the sum's is its example value's
         summed.meta["example_value"] = dtensor_ops.weighted_sum(value, uneven.mesh_dim, weight)
         for mover in movers:
             mover.replace_input_with(node, summed)
@@ -202,10 +203,5 @@ def _is_mean(p) -> bool:
 def uneven_options(options):
     """`options` for a graph cut by shares: the layout as written (the batch stays split: the solver's
     other layouts would gather it), no refinement check (it runs the whole program, whose sizes no rank
-    traced)."""
-    if options.strategy is not None:
-        raise UnsupportedError(
-            "uneven shares: option strategy= replays a saved strategy, which has no shares yet; "
-            "drop the option, or the shares"
-        )
+    traced). A strategy file still applies: the layout pass checks its shares are these."""
     return dataclasses.replace(options, layout="dtensor", check=False)
