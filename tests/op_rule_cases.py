@@ -92,7 +92,9 @@ def _cuts(v: dict, n: int, but: str) -> list[str]:
     """The other dims `v` can be cut on `n` ways, of another size than the dim of `but` (a swap of
     two dims of one size is the same shape: no file can tell it)."""
     size = v["shape"][int(but[2:-1])] if but.startswith("S") else None
-    return [f"S({k})" for k, x in enumerate(v["shape"]) if x > 1 and x % n == 0 and x != size]
+    return [  # a symbolic size (a file cut by shares) is left alone: its divisibility is the samples'
+        f"S({k})" for k, x in enumerate(v["shape"]) if isinstance(x, int) and x > 1 and x % n == 0 and x != size
+    ]
 
 
 def nonlinear_written_partial(d, rng):

@@ -233,38 +233,10 @@ def test_the_verifier_checks_a_strategy_under_shares_against_the_model(shares_st
     assert {p.rule for p in odd.problems} >= {"model inputs"}, odd
 
 
-def _mutated(data: dict, change) -> set[str]:
-    data = copy.deepcopy(data)
-    change(data["graphs"][0], data)
-    return {p.rule for p in hca.verify(data, raise_on_failure=False).problems}
-
-
-def _residual_bytes_off_by_four(g, _):
-    r = next(r for r in g["residuals"] if isinstance(r["bytes"], str))
-    r["bytes"] += "+4"
-
-
-def _parameter_split(g, data):
-    name = next(iter(data["model"]["parameters"]))
-    data["model"]["parameters"][name]["placements"] = ["S(0)"]
-
-
-def _forward_gather(g, _):
-    next(c for c in g["collectives"] if c["direction"] == "forward")["kind"] = "all_gather"
-
-
-@pytest.mark.parametrize(
-    "change, rule",
-    [
-        (lambda g, _: g["shares"].update(weights=[0.5, 0.5]), "share weights"),
-        (lambda g, _: g["shares"].update(shares=[1, 3, 1]), "shares"),
-        (lambda g, _: g["outputs"][0].update(value="out"), "shares: weighted means"),  # the unweighted mean returned
-        (lambda g, _: g["shares"].update(weighted_means=["y"]), "shares: weighted means"),
-        (_parameter_split, "shares: parameters whole"),
-        (_forward_gather, "shares: forward sums"),
-        (_residual_bytes_off_by_four, "residual bytes"),  # a symbolic size checked at the sample sizes
-        (lambda g, _: g["values"]["y"].update(shape=["__import__('os')", 8]), "sizes"),  # read, never run
-    ],
-)
-def test_the_verifier_catches_what_shares_forbid(shares_strategy, change, rule):
-    assert rule in _mutated(shares_strategy[0]["file"], change)
+def test_a_size_the_verifier_cannot_read_is_named_never_run(shares_strategy):
+    """Symbolic sizes are read by the verifier's own evaluator: arithmetic on sizes, nothing else.
+    (The catch rate of tests/test_verify.py corrupts this file in the ways shares forbid.)"""
+    data = copy.deepcopy(shares_strategy[0]["file"])
+    data["graphs"][0]["values"]["y"]["shape"] = ["__import__('os').getcwd()", 8]
+    found = hca.verify(data, raise_on_failure=False).problems
+    assert [p.rule for p in found] == ["sizes"] and "not arithmetic on sizes" in str(found[0]), found

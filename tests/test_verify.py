@@ -20,6 +20,7 @@ from torch_hca.tools import zoo
 from torch_hca.verify import problems
 
 import op_rule_cases
+import share_mutations
 
 MODELS = {
     "data_parallel": lambda: (
@@ -228,7 +229,7 @@ def swapped_on_one_rank(d, rng):
 
 def wrong_residual_bytes(d, rng):
     """A residual kept for the backward stated at other bytes than its shape and dtype hold."""
-    kept = _graph(d).get("residuals") or []
+    kept = [r for r in _graph(d).get("residuals") or [] if isinstance(r["bytes"], int)]  # symbolic: share_mutations
     if not kept:
         return None
     rng.choice(kept)["bytes"] += rng.choice((-4, 4, 1024))
@@ -262,7 +263,8 @@ def indivisible_shard(d, rng):
     if not sharded:
         return None
     v = rng.choice(sharded)
-    v["shape"][int(v["placements"][_sharded_at(v)][2:-1])] += 1
+    dim = int(v["placements"][_sharded_at(v)][2:-1])
+    v["shape"][dim] += " + 1" if isinstance(v["shape"][dim], str) else 1  # a symbolic size: odd at the samples
     return "shard divides"
 
 
@@ -397,6 +399,7 @@ MUTATIONS = [
     dropped_transpose,
     unknown_version,
     *op_rule_cases.MUTATIONS,  # placements the op families do not allow, every other rule passing
+    *share_mutations.MUTATIONS,  # what uneven shares forbid (the file cut by shares only)
 ]
 SEEDS = (0, 1, 2)
 
@@ -409,6 +412,17 @@ def gloo_strategy(worlds):
     files = worlds(2).run(dist_cases.strategy_of_fsdp_block)
     assert files[0] == files[1]  # one SPMD program: every rank writes the same file
     return files[0]
+
+
+@pytest.fixture(scope="module")
+def shares_strategy(worlds):
+    """A mean inside forward, its batch of 8 cut 1:3 over 2 gloo ranks (`uneven_cases.strategy_by_shares`):
+    the file with shares, weights, a weighted mean and symbolic sizes."""
+    import uneven_cases
+
+    first, second = worlds(2).run(uneven_cases.strategy_by_shares, (1, 3), 8, (3, 5))
+    assert first["text"] == second["text"]
+    return first["file"]
 
 
 def test_real_ranks_post_their_orders_into_the_file(gloo_strategy):
@@ -442,9 +456,10 @@ def test_residuals_and_their_lifetimes_are_in_the_file(strategies):
     assert shapes == {(8, 16), (16, 16)}, shapes
 
 
-def test_seeded_mutations_are_caught_and_named(strategies, gloo_strategy):
+def test_seeded_mutations_are_caught_and_named(strategies, gloo_strategy, shares_strategy):
     tried, caught, missed = 0, 0, []
-    for name, data in {**strategies, "fsdp_block_gloo": gloo_strategy}.items():
+    files = {**strategies, "fsdp_block_gloo": gloo_strategy, "mean_by_shares_gloo": shares_strategy}
+    for name, data in files.items():
         assert problems(data) == [], name  # the unbroken control
         for mutate in MUTATIONS:
             for seed in SEEDS:
@@ -465,7 +480,7 @@ def test_seeded_mutations_are_caught_and_named(strategies, gloo_strategy):
                     )
     print(
         f"\nverifier catch rate: {caught}/{tried} = {caught / tried:.0%} of seeded mutations "
-        f"({len(MUTATIONS)} kinds x {len(strategies) + 1} files x {len(SEEDS)} seeds where applicable)"
+        f"({len(MUTATIONS)} kinds x {len(files)} files x {len(SEEDS)} seeds where applicable)"
     )
     assert tried >= 100 and not missed, "\n".join(missed)
 
