@@ -193,11 +193,14 @@ class LayoutPass:
             _inherit_source(node, first)
             self._record(ctx, node, src, before, layout, f"{first.name} reads it so (strategy file)")
             decisions.append(f"{node.name}: {src.name} -> {layout_str(layout)} for {first.name} (strategy file)")
+        priced = entry.get("cost_model") or {}  # the figures the file's layout was priced with
         ctx.report.layout = LayoutRecord(
             f"strategy file {ctx.options.strategy}",
             seconds=0.0,
             probe_seconds=0.0,
             replay_seconds=time.perf_counter() - start,
+            cost_model=priced.get("figures"),
+            cost_model_source=priced.get("source"),
         )
         return decisions
 

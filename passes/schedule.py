@@ -82,11 +82,13 @@ class SchedulePass:
         buckets: list[dict[str, Any]] = []
         moved = {"starts_earlier": 0, "waits_later": 0, "waits_forced": 0}
         bucketed, reordered = before, False
+        cap = bound = None
         if opts.schedule:
-            buckets = bucket_collectives(gm.graph, self.which, _bucket_cap(gm, ctx))
+            cap, bound = _bucket_cap(gm, ctx), _in_flight_bound(gm, opts.max_in_flight_mb)
+            buckets = bucket_collectives(gm.graph, self.which, cap)
             bucketed = copy_graph_module(gm)  # the checker's baseline: buckets and moved singles are rewrites
             traced = list(gm.graph.nodes)
-            order, forced = plan_order(gm.graph, _in_flight_bound(gm, opts.max_in_flight_mb))
+            order, forced = plan_order(gm.graph, bound)
             moved = {**count_moves(traced, order), "waits_forced": forced}
             reordered = order != traced
             apply_order(gm.graph, order)
@@ -97,6 +99,8 @@ class SchedulePass:
             "fingerprint": summary.fingerprint,
             "before": before,
             "buckets": buckets,
+            "bucket_cap_bytes": cap,  # the rules the buckets and the order kept (strategy file: `schedule`)
+            "in_flight_bytes": bound,
             "moved": moved,
         }
         decisions = [

@@ -115,6 +115,25 @@ def test_a_file_for_another_model_is_a_named_error(fake_pg, tmp_path):
         _compiled(hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP(16, 32)), torch.randn(8, 16), strategy=str(path))
 
 
+def test_the_file_states_its_schedule_rules_and_prices_and_another_device_type_is_refused(fake_pg, tmp_path):
+    """What the schedule kept (the bucket cap, the bound in flight) and the deployment's figures the
+    solver priced with are in the file; a file made on another device type is a named error."""
+    import json
+
+    path = tmp_path / "dp.json"
+    data = _compiled(*_dp(), schedule=True).save_strategy(path)
+    (g,) = data["graphs"]
+    assert _saved_once("dp", _dp, tmp_path / "unscheduled.json")["graphs"][0]["schedule"] is None
+    backward = g["schedule"]["backward"]
+    assert backward["bucket_cap_bytes"] > 0 and backward["in_flight_bytes"] >= 64 * 2**20, g["schedule"]
+    assert all(i["bytes"] <= backward["bucket_cap_bytes"] for i in g["issued"] if len(i["members"]) > 1)
+    assert g["cost_model"]["source"].startswith("defaults") and g["cost_model"]["figures"]["flops_per_s"] > 0, g["cost_model"]
+    data["mesh"]["device_type"] = "cuda"
+    path.write_text(json.dumps(data))
+    with pytest.raises(hca.StrategyError, match=r"another device type: the file says cuda, this compile has cpu"):
+        _compiled(*_dp(), strategy=str(path), schedule=True)
+
+
 def test_a_file_for_another_world_size_is_a_named_error(fake_pg, tmp_path):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 

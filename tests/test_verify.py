@@ -367,6 +367,17 @@ def dropped_transpose(d, rng):
     return "nothing owed is missing"
 
 
+def bucket_over_cap(d, rng):
+    """A bucket larger than its direction's stated cap (the cap lowered under it)."""
+    g = _graph(d)
+    buckets = [i for i in g["issued"] if len(i["members"]) > 1 and (g.get("schedule") or {}).get(i["direction"])]
+    if not buckets:
+        return None
+    b = rng.choice(buckets)
+    g["schedule"][b["direction"]]["bucket_cap_bytes"] = b["bytes"] - rng.choice((4, b["bytes"] // 2))
+    return "bucket cap"
+
+
 def unknown_version(d, rng):
     d["version"] = 2
     return "schema version"
@@ -394,6 +405,7 @@ MUTATIONS = [
     wrong_mesh_dim,
     wrong_move_source,
     wrong_bucket_bytes,
+    bucket_over_cap,
     collective_never_issued,
     dropped_gradient_reduction,
     dropped_transpose,

@@ -81,6 +81,7 @@ def graph_facts(gm: fx.GraphModule, mesh) -> dict[str, Any]:
     facts: dict[str, Any] = {"logical_digest": logical_digest(gm)}
     if mesh is not None:
         facts["mesh_ranks"] = mesh.mesh.tolist()
+        facts["device_type"] = mesh.device_type
         facts["groups"] = {mesh.get_group(d).group_name: d for d in range(mesh.ndim)}
     return facts
 
@@ -224,6 +225,8 @@ def _graph_entry(g: Any, mesh: dict) -> dict:
         "groups": groups,
         "residuals": residuals(g),
         "shares": _shares(g),
+        "schedule": _schedule_rules(g),
+        "cost_model": _cost_model(g),
     }
 
 
@@ -335,6 +338,26 @@ def _link(moves: list[dict], collectives: list[dict]) -> None:
             step["collective"] = fw["id"]
             partner = by_id.get(fw["partner"]) if fw["partner"] else None
             step["backward"] = partner["kind"] if partner else None
+
+
+def _schedule_rules(g: Any) -> dict | None:
+    """Per direction, the rules the schedule pass kept: the bucket cap and the bound on bytes in
+    flight (a bound of null: none; no entry: the schedule is off, or the direction has no graph)."""
+    bytes_or_none = lambda x: int(x) if math.isfinite(x) else None  # None: no bound
+    rules = {}
+    for which in ("forward", "backward"):
+        s = g.schedules.get(which) or {}
+        if s.get("bucket_cap_bytes") is not None:
+            rules[which] = {k: bytes_or_none(s[k]) for k in ("bucket_cap_bytes", "in_flight_bytes")}
+    return rules or None
+
+
+def _cost_model(g: Any) -> dict | None:
+    """The deployment's figures the solver priced this graph with, and where they came from (null:
+    no solve, the layout as written or loaded)."""
+    if not g.layout.cost_model:
+        return None
+    return {"source": g.layout.cost_model_source, "figures": dict(g.layout.cost_model)}
 
 
 def _shares(g: Any) -> dict | None:

@@ -98,6 +98,8 @@ def match_graph(
         raise differ("world size", data["world_size"], world)
     if list(data["mesh"]["shape"]) != list(mesh_shape):
         raise differ("mesh", f"shape {data['mesh']['shape']}", f"shape {list(mesh_shape)}")
+    if "device_type" in facts and data["mesh"].get("device_type") != facts["device_type"]:
+        raise differ("device type", data["mesh"].get("device_type"), facts["device_type"])
     if data["mesh"].get("ranks") != facts.get("mesh_ranks"):
         raise differ("mesh", f"ranks {data['mesh'].get('ranks')}", f"ranks {facts.get('mesh_ranks')}")
     known = data["model"]["parameters"]

@@ -154,6 +154,17 @@ def issued(G: Graph) -> Iterator[Problem]:
         total = sum(m.get("bytes", 0) for m in members)
         if i.get("bytes") != total:
             yield Problem(where, "bytes", i.get("bytes"), f"{total} (the sum of its {len(members)} collective(s))")
+        rules = (G.g.get("schedule") or {}).get(i.get("direction"))
+        cap = (rules or {}).get("bucket_cap_bytes")
+        if len(members) > 1 and (rules is None or (cap is not None and total > cap)):  # a single may exceed it
+            yield Problem(
+                where,
+                "bucket cap",
+                f"a bucket of {len(members)} collectives, {total} bytes",
+                f"at most the {i.get('direction')} schedule's bucket cap ({cap} bytes)"
+                if rules is not None
+                else "collectives issued alone (the file states no schedule for this direction)",
+            )
         d = i.get("mesh_dim")
         if (
             isinstance(d, int)
