@@ -127,7 +127,8 @@ def test_the_file_states_its_schedule_rules_and_prices_and_another_device_type_i
     backward = g["schedule"]["backward"]
     assert backward["bucket_cap_bytes"] > 0 and backward["in_flight_bytes"] >= 64 * 2**20, g["schedule"]
     assert all(i["bytes"] <= backward["bucket_cap_bytes"] for i in g["issued"] if len(i["members"]) > 1)
-    assert g["cost_model"]["source"].startswith("defaults") and g["cost_model"]["figures"]["flops_per_s"] > 0, g["cost_model"]
+    priced = g["cost_model"]
+    assert priced["source"].startswith("defaults") and priced["figures"]["flops_per_s"] > 0, priced
     data["mesh"]["device_type"] = "cuda"
     path.write_text(json.dumps(data))
     with pytest.raises(hca.StrategyError, match=r"another device type: the file says cuda, this compile has cpu"):

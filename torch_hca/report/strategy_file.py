@@ -199,22 +199,6 @@ def _graph_entry(g: Any, mesh: dict) -> dict:
             }
         )
     _link(moves, collectives)
-    groups: dict[str, dict] = {}
-    for c in issued:  # one order per group: every rank of the group issues it (one SPMD program)
-        grp = groups.setdefault(
-            c["group"],
-            {
-                "mesh_dim": c["mesh_dim"],
-                "participants": (dim_groups(mesh["ranks"], c["mesh_dim"]) if c["mesh_dim"] is not None else None),
-                "forward": [],
-                "backward": [],
-            },
-        )
-        grp[c["direction"]].append(c["id"])
-    for name, grp in groups.items():
-        ranks = _rank_orders(g, name)
-        if ranks:
-            grp["ranks"] = ranks
     return {
         "logical_digest": facts.get("logical_digest"),
         "values": values,
@@ -222,7 +206,7 @@ def _graph_entry(g: Any, mesh: dict) -> dict:
         "moves": moves,
         "collectives": collectives,
         "issued": issued,
-        "groups": groups,
+        "groups": _groups(g, issued, mesh),
         "residuals": residuals(g),
         "shares": _shares(g),
         "schedule": _schedule_rules(g),
@@ -338,6 +322,28 @@ def _link(moves: list[dict], collectives: list[dict]) -> None:
             step["collective"] = fw["id"]
             partner = by_id.get(fw["partner"]) if fw["partner"] else None
             step["backward"] = partner["kind"] if partner else None
+
+
+def _groups(g: Any, issued: list[dict], mesh: dict) -> dict[str, dict]:
+    """Per process group: its mesh dim and rank lists, its issue order per direction, and (once the
+    module has run) what each rank posted."""
+    groups: dict[str, dict] = {}
+    for c in issued:  # one order per group: every rank of the group issues it (one SPMD program)
+        grp = groups.setdefault(
+            c["group"],
+            {
+                "mesh_dim": c["mesh_dim"],
+                "participants": (dim_groups(mesh["ranks"], c["mesh_dim"]) if c["mesh_dim"] is not None else None),
+                "forward": [],
+                "backward": [],
+            },
+        )
+        grp[c["direction"]].append(c["id"])
+    for name, grp in groups.items():
+        ranks = _rank_orders(g, name)
+        if ranks:
+            grp["ranks"] = ranks
+    return groups
 
 
 def _schedule_rules(g: Any) -> dict | None:
