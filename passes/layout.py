@@ -79,11 +79,6 @@ def _as_written_s(ops, costs, memory_weight: float) -> float:
     return layout_solver.total_cost(ops, costs, layout_solver.as_written(ops, memory_weight), memory_weight)
 
 
-def _shares_of(report) -> dict | None:
-    u = report.uneven
-    return None if u is None else {"mesh_dim": u.mesh_dim, "shares": list(u.shares)}
-
-
 class LayoutPass:
     name = "layout"
     reads = "Dynamo graph over DTensors"
@@ -169,7 +164,7 @@ class LayoutPass:
             list(mesh.shape) if mesh is not None else [1],
             ctx.report.parameters,
             f"graph {ctx.report.index}",
-            shares=_shares_of(ctx.report),
+            shares=strategy_file.shares_entry(ctx.report),
         )
 
     def _replay(self, gm: fx.GraphModule, ctx: PassContext, entry: dict) -> list[str]:

@@ -30,7 +30,7 @@ from torch_hca.spmd.collective_kinds import RULES, Kind, bytes_per_rank, move_ki
 from torch_hca.spmd.collective_nodes import OPS, node_group, node_kind, node_payload, payload_bytes
 from torch_hca.spmd.placements import dtype_str, layout_str, layout_texts, text_letter
 
-from torch_hca.report.strategy_residuals import residuals
+from torch_hca.report.strategy_residuals import is_size_input, residuals
 
 SCHEMA = "torch_hca.strategy"
 VERSION = 1
@@ -66,11 +66,9 @@ def logical_digest(gm: fx.GraphModule) -> str:
     logical shape and dtype; not the placements the layout pass chooses."""
     lines = []
     for node in gm.graph.nodes:
-        v = node.meta.get("example_value")
-        if node.op == "placeholder" and isinstance(v, torch.SymInt):
-            # A size Dynamo passes in (a piece's storage offset under shares): ranks can differ in
-            # these while tracing one program; the sizes themselves are in the shapes below.
+        if is_size_input(node):  # the sizes themselves are in the shapes below
             continue
+        v = node.meta.get("example_value")
         shape = f"{list(v.shape)}:{v.dtype}" if isinstance(v, torch.Tensor) else ""
         lines.append(f"{node.op} {node.name} {_target(node)} {_arg_text(node.args)} {_arg_text(node.kwargs)} {shape}")
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:32]
@@ -208,7 +206,7 @@ def _graph_entry(g: Any, mesh: dict) -> dict:
         "issued": issued,
         "groups": _groups(g, issued, mesh),
         "residuals": residuals(g),
-        "shares": _shares(g),
+        "shares": shares_entry(g),
         "schedule": _schedule_rules(g),
         "cost_model": _cost_model(g),
     }
@@ -366,8 +364,9 @@ def _cost_model(g: Any) -> dict | None:
     return {"source": g.layout.cost_model_source, "figures": dict(g.layout.cost_model)}
 
 
-def _shares(g: Any) -> dict | None:
-    """The shares a graph's forward arguments are cut by (docs/heterogeneous.md), or None."""
+def shares_entry(g: Any) -> dict | None:
+    """The shares graph report `g`'s forward arguments are cut by (docs/heterogeneous.md), or None:
+    the file's ``shares``, and what a compile that loads a file compares with it."""
     u = g.uneven
     if u is None:
         return None

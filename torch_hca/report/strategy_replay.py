@@ -85,7 +85,7 @@ def match_graph(
     data: dict, facts: dict, mesh_shape: list[int], parameters: dict, graph: str, shares: dict | None = None
 ) -> dict:
     """The file's entry for this graph, or StrategyError naming the first difference. `shares`: this
-    compile's uneven shares (``{"mesh_dim", "shares"}``), None where the inputs are cut evenly."""
+    compile's uneven shares (`strategy_file.shares_entry`), None where the inputs are cut evenly."""
     world = math.prod(mesh_shape)
 
     def differ(what: str, says: Any, here: Any) -> StrategyError:

@@ -59,10 +59,16 @@ def residuals(g: Any) -> list[dict]:
     return out
 
 
+def is_size_input(node: fx.Node) -> bool:
+    """A size Dynamo or AOTAutograd passes in as a graph input (a piece's storage offset under
+    shares): ranks can differ in these while they run one program, so the file counts none of them."""
+    value = node.meta.get("val", node.meta.get("example_value"))
+    return node.op == "placeholder" and isinstance(value, torch.SymInt)
+
+
 def _counted(gm: fx.GraphModule) -> list[fx.Node]:
-    """The nodes a residual's index counts: all but the sizes passed in, which ranks cut by shares
-    can differ in (a piece's storage offset), so that every rank writes the same index."""
-    return [n for n in gm.graph.nodes if not (n.op == "placeholder" and isinstance(n.meta.get("val"), torch.SymInt))]
+    """The nodes a residual's index counts: all but the size inputs, so every rank writes the same index."""
+    return [n for n in gm.graph.nodes if not is_size_input(n)]
 
 
 def _same_value(a: Any, b: fx.Node) -> bool:

@@ -154,20 +154,7 @@ def issued(G: Graph) -> Iterator[Problem]:
         total = sum(m.get("bytes", 0) for m in members)
         if i.get("bytes") != total:
             yield Problem(where, "bytes", i.get("bytes"), f"{total} (the sum of its {len(members)} collective(s))")
-        rules = (G.g.get("schedule") or {}).get(i.get("direction"))
-        cap = (rules or {}).get("bucket_cap_bytes")
-        stated = "schedule" in G.g  # files written before the field existed state no rule: not checked
-        if (
-            stated and len(members) > 1 and (rules is None or (cap is not None and total > cap))
-        ):  # a single may exceed it
-            yield Problem(
-                where,
-                "bucket cap",
-                f"a bucket of {len(members)} collectives, {total} bytes",
-                f"at most the {i.get('direction')} schedule's bucket cap ({cap} bytes)"
-                if rules is not None
-                else "collectives issued alone (the file states no schedule for this direction)",
-            )
+        yield from _bucket_cap(G, i, where, len(members), total)
         d = i.get("mesh_dim")
         if (
             isinstance(d, int)
@@ -180,6 +167,29 @@ def issued(G: Graph) -> Iterator[Problem]:
             yield Problem(
                 f"{G.where}, collective {cid!r}", "issued once", "never issued", "issued alone or in a bucket"
             )
+
+
+def _bucket_cap(G: Graph, i: dict, where: str, members: int, total: int) -> Iterator[Problem]:
+    """A bucket (several collectives issued as one) is at most its direction's stated cap; one
+    collective over the cap runs alone. A file written before ``schedule`` existed is not checked."""
+    if "schedule" not in G.g or members < 2:
+        return
+    rules = (G.g["schedule"] or {}).get(i.get("direction"))
+    cap = (rules or {}).get("bucket_cap_bytes")
+    if rules is None:
+        yield Problem(
+            where,
+            "bucket cap",
+            f"a bucket of {members} collectives, {total} bytes",
+            "collectives issued alone (the file states no schedule for this direction)",
+        )
+    elif cap is not None and total > cap:
+        yield Problem(
+            where,
+            "bucket cap",
+            f"a bucket of {members} collectives, {total} bytes",
+            f"at most the {i.get('direction')} schedule's bucket cap ({cap} bytes)",
+        )
 
 
 def groups(G: Graph) -> Iterator[Problem]:

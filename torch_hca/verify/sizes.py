@@ -102,9 +102,9 @@ def binding_for(graphs: list, inputs: list[list[tuple[list[int], str]]]) -> dict
     """The symbols' values at which every symbolic input of the file's `graphs` is one of the
     re-traced model's `inputs` (per graph, (shape, dtype)); None where no value does."""
     names = symbols(graphs)
+    largest = max((d for graph in inputs for shape, _ in graph for d in shape), default=0)
     binding: dict[str, int] = {}
     for name in sorted(names):
-        largest = max((d for graph in inputs for shape, _ in graph for d in shape), default=0)
         found = next((n for n in range(1, largest + 1) if _inputs_match(graphs, inputs, {**binding, name: n})), None)
         if found is None:
             return None
@@ -113,16 +113,19 @@ def binding_for(graphs: list, inputs: list[list[tuple[list[int], str]]]) -> dict
 
 
 def _inputs_match(graphs: list, inputs: list, binding: dict[str, int]) -> bool:
+    """Whether each input of the file whose symbols `binding` all gives is one of the model's inputs."""
     for g, theirs in zip(graphs, inputs):
         for v in g["values"].values():
-            shape = v.get("shape") or []
-            if not any(isinstance(d, str) for d in shape) or v.get("kind") == "parameter":
+            if not (v.get("kind") == "input" or str(v.get("op", "")).endswith("from_local")):
                 continue
+            shape = v.get("shape") or []
+            texts = [d for d in shape if isinstance(d, str)]
+            if not texts or any(set(_SYMBOL.findall(t)) - binding.keys() for t in texts):
+                continue  # static, or waits for a symbol not bound yet
             try:
                 mine = [evaluate(d, binding) if isinstance(d, str) else d for d in shape]
-            except (ValueError, KeyError, ZeroDivisionError):
+            except (ValueError, ZeroDivisionError):
                 return False
-            if v.get("kind") == "input" or str(v.get("op", "")).endswith("from_local"):
-                if (mine, v.get("dtype")) not in [(list(s), d) for s, d in theirs]:
-                    return False
+            if (mine, v.get("dtype")) not in [(list(s), d) for s, d in theirs]:
+                return False
     return True
