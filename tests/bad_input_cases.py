@@ -273,7 +273,7 @@ def _plans() -> list[Case]:
             "plan/fewer-rows-than-ranks",
             lambda: _mlp({"fc2.bias": Shard(0)}, model=zoo.MLP(dim=2)),
             hca.PlacementError,
-            r"parameter 'fc2\.bias' .*dimension 0 of size 2 does not divide evenly over 4 ranks.*change the size, the mesh, or shard another dimension",
+            r"parameter 'fc2\.bias' .*dimension 0 of size 2 cut by S\(0\) over the mesh \(4,\) leaves the rank at mesh coordinate \(2,\) without rows.*change the size or the mesh, or shard another dimension",
         ),
         Case(
             "plan/partial-inside-a-2d-layout",

@@ -149,23 +149,33 @@ def test_negative_shard_dimension_out_of_range(fake_pg):
         hca.sharded({"fc2.weight": Shard(-3)})(zoo.MLP())
 
 
-def test_uneven_shard(fake_pg):
-    # hidden=30: fc1.weight is (30, 16); 30 rows over 4 ranks do not divide.
+def test_uneven_shard_is_torch_chunks_cut(fake_pg):
+    # hidden=30: fc1.weight is (30, 16); 30 rows over 4 ranks are cut as torch.chunk cuts (8, 8, 8, 6),
+    # as DTensor stores them; read only as stored (tests/test_uneven_pieces.py).
+    model = hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP(dim=16, hidden=30))
+    assert model.fc1.weight.to_local().shape == (8, 16)
+
+
+def test_shard_leaving_a_rank_without_rows(fake_pg):
+    # hidden=3 over 4 ranks: torch.chunk's pieces are 1, 1, 1 and none for rank 3.
     with pytest.raises(
         hca.PlacementError,
-        match=r"parameter 'fc1\.weight' \(pattern 'fc1\.\*'\): dimension 0 of size 30 does not divide evenly over 4 ranks",
+        match=r"parameter 'fc1\.weight' \(pattern 'fc1\.\*'\): dimension 0 of size 3 cut by S\(0\) over the mesh \(4,\) "
+        r"leaves the rank at mesh coordinate \(3,\) without rows",
     ) as info:
-        hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP(dim=16, hidden=30))
-    assert "change the size, the mesh, or shard another dimension" in str(info.value)
+        hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP(dim=16, hidden=3))
+    assert "change the size or the mesh, or shard another dimension" in str(info.value)
 
 
 def test_uneven_shard_over_two_mesh_dims(fake_pg):
     mesh = _mesh_2d()
-    # dim 0 of fc2.bias (size 6) split over dp and tp: 4 ways, 6 % 4 != 0.
+    # dim 0 of fc2.bias (size 3) split over dp and tp as DTensor cuts it: 2 : 1, then 1 : 1 and 1 : 0.
     with pytest.raises(
-        hca.PlacementError, match=r"parameter 'fc2\.bias' .*dimension 0 of size 6 does not divide evenly over 4 ranks"
+        hca.PlacementError,
+        match=r"parameter 'fc2\.bias' .*dimension 0 of size 3 cut by \(S\(0\), S\(0\)\) over the mesh \(2, 2\) "
+        r"leaves the rank at mesh coordinate \(1, 1\) without rows",
     ):
-        hca.sharded({"fc2.bias": (Shard(0), Shard(0))}, mesh=mesh)(zoo.MLP(dim=6, hidden=8))
+        hca.sharded({"fc2.bias": (Shard(0), Shard(0))}, mesh=mesh)(zoo.MLP(dim=3, hidden=8))
 
 
 def test_wrong_number_of_placements_for_the_mesh(fake_pg):

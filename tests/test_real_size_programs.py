@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import torch_hca as hca
-from torch_hca.tools.real_models import MEGATRON, gpt2_small
+from torch_hca.tools.real_models import MEGATRON, LossOf, gpt2_small
 
 from dist_cases import fake_world
 
@@ -46,24 +46,39 @@ def test_gpt2_data_parallel_keeps_the_batch_split(fake_pg):
 def test_gpt2_small_megatron_program(fake_pg_2_full_size):
     rep = fake_pg_2_full_size
     n_layer = N_LAYER
-    forward = rep.collective_counts("forward")
-    # Per block: the attention's and the MLP's row-parallel partial sums (2 all_reduce); the last
-    # block's MLP sum is reduce-scattered over the sequence for the LM head, which runs
-    # sequence-split and gathers its logits for the replicated output.
-    # Per block also 1 all_gather: c_attn's Shard(1) cuts the fused q|k|v columns in half, not
-    # by heads, so c_attn's output is gathered and each rank takes its heads of q, k and v
-    # locally (at 4 rows a rank the solver moves them to a batch split instead).
-    assert forward == {"all_reduce": 2 * n_layer - 1, "reduce_scatter": 1, "all_gather": n_layer + 1}
+    forward = [(c.kind, c.bytes) for c in rep.collectives if c.direction == "forward"]
+    # Per block: the attention's and the MLP's row-parallel partial sums (2 all_reduce); the lookup's
+    # sum of the rows each rank holds of the tied table (cut 25,129 : 25,128 by vocabulary), and the
+    # loss's sum. Per block also 1 all_gather: c_attn's Shard(1) cuts the fused q|k|v columns in
+    # half, not by heads, so c_attn's output is gathered and each rank takes its heads of q, k and v
+    # locally. The head runs vocabulary-split, its logits never move: 1 all_gather of each rank's
+    # log-sum-exp per row (63 rows).
+    assert rep.collective_counts("forward") == {"all_reduce": 2 * n_layer + 2, "all_gather": n_layer + 1}, forward
+    assert ("all_gather", 63 * 2 * 4) in forward
+    assert max(b for _, b in forward) <= 3 * 64 * 768 * 4  # c_attn's q|k|v: no table, no logits
+    # Backward: per block the attention's and the MLP's input cotangents summed, the head's input's;
+    # per block 3 all_gather, the transposes of the local chunks of q, k and v.
+    assert rep.collective_counts("backward") == {"all_reduce": 2 * n_layer + 1, "all_gather": 3 * n_layer}
     line = rep.parallelism()
     assert line.split(": ")[1].startswith("tensor parallel")
-    # 6 parameters a block sharded (c_attn, c_fc: weight S(1), bias S(0); both c_proj weights S(0)).
+    # 6 parameters a block sharded (c_attn, c_fc: weight S(1), bias S(0); both c_proj weights S(0)), and the table.
     assert (
-        f"stored {6 * n_layer} of {12 * n_layer + 4} parameters sharded (S(0) {4 * n_layer}, S(1) {2 * n_layer})"
+        f"stored {6 * n_layer + 1} of {12 * n_layer + 4} parameters sharded (S(0) {4 * n_layer + 1}, S(1) {2 * n_layer})"
         in line
     )
     assert "gather of weights" not in line  # every sharded weight is read as stored
-    # The rest: norms and the embedding lookups (a row gather, priced by the rows it reads, not the table).
+    # The rest: norms and the position embedding's lookup.
     assert "99% of the compute split over 2 ranks" in line
+
+
+def test_gpt2_small_logits_returned_are_gathered_padded(fake_pg_2_small):
+    """The logits returned replicated (the loss outside): the vocabulary-split head's pieces (25,129
+    and 25,128 classes) gathered once, padded to the largest: 2 x 25,129 x 64 floats on the wire."""
+    model = hca.sharded(MEGATRON["gpt2_small"], inputs=Replicate(), outputs=Replicate())(gpt2_small(layers=1))
+    rep = _compiled(model, torch.randint(0, 50257, (1, 64)))
+    gathers = [c.bytes for c in rep.collectives if c.direction == "forward" and c.kind == "all_gather"]
+    assert gathers[-1] == 2 * 25129 * 64 * 4, gathers
+    assert "gather of weights" not in rep.parallelism()
 
 
 # GPT-2 small's width, heads and tied 50,257-token vocabulary with 2 of its 12 blocks: every block
@@ -84,8 +99,15 @@ def _fake_world_2():
 def fake_pg_2_full_size():
     """GPT-2 small's blocks (`N_LAYER` of them) on Megatron storage (`real_models.MEGATRON`), one row of 64 tokens."""
     with _fake_world_2():
-        model = hca.sharded(MEGATRON["gpt2_small"], inputs=Replicate(), outputs=Replicate())(gpt2_small(layers=N_LAYER))
+        module = LossOf(gpt2_small(layers=N_LAYER).hf)  # as the bench's hca_megatron runs it
+        model = hca.sharded(MEGATRON["gpt2_small"], inputs=Replicate(), outputs=Replicate())(module)
         yield _compiled(model, torch.randint(0, 50257, (1, 64)))
+
+
+@pytest.fixture
+def fake_pg_2_small():
+    with _fake_world_2():
+        yield
 
 
 def test_llama_megatron_program_is_vocabulary_parallel(fake_pg_2_llama):

@@ -7,6 +7,7 @@ nothing here touches a tensor's data.
 from __future__ import annotations
 
 import fnmatch
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,8 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from torch_hca.errors import MeshError, PlacementError, PlanError, UnsupportedError
 from torch_hca.runtime.mesh import current_mesh
+from torch_hca.spmd.chunks import local_piece_shape
+from torch_hca.spmd.placements import layout_str, placement_str
 from torch_hca.spmd.shares import UnevenShard, check_mesh_fit, uneven_dims, weight
 
 Layout = tuple[Placement, ...]
@@ -51,7 +54,8 @@ def layout_of(value: Any, mesh: DeviceMesh, what: str) -> Layout:
 
 
 def check_storage(layout: Layout, shape: torch.Size, mesh: DeviceMesh, what: str) -> Layout:
-    """Parameters are stored Shard or Replicate, evenly divided; normalize Shard dims."""
+    """Parameters are stored Shard or Replicate; normalize Shard dims. A Shard that does not
+    divide is cut as torch.chunk cuts (torch_hca.spmd.chunks)."""
     fixed = []
     for mesh_dim, p in enumerate(layout):
         if isinstance(p, Partial):
@@ -73,17 +77,18 @@ def check_storage(layout: Layout, shape: torch.Size, mesh: DeviceMesh, what: str
                 )
             p = Shard(dim)
         fixed.append(p)
-    for dim in range(len(shape)):
-        ways = 1
-        for mesh_dim, p in enumerate(fixed):
-            if isinstance(p, Shard) and p.dim == dim:
-                ways *= mesh.size(mesh_dim)
-        if shape[dim] % ways:
-            raise PlacementError(
-                f"{what}: dimension {dim} of size {shape[dim]} does not divide evenly over "
-                f"{ways} ranks; torch_hca needs even shards here: change the size, the mesh, "
-                "or shard another dimension"
-            )
+    # A cut that does not divide is torch.chunk's, DTensor's own (torch_hca.spmd.chunks), read
+    # only as stored; every rank must hold a piece.
+    coordinates = itertools.product(*(range(n) for n in mesh.shape))
+    empty = next((c for c in coordinates if 0 in local_piece_shape(shape, fixed, mesh.shape, c)), None)
+    if empty is not None:
+        dim = local_piece_shape(shape, fixed, mesh.shape, empty).index(0)
+        cut = placement_str(fixed[0]) if len(fixed) == 1 else layout_str(tuple(fixed))
+        raise PlacementError(
+            f"{what}: dimension {dim} of size {shape[dim]} cut by {cut} over the "
+            f"mesh {tuple(mesh.shape)} leaves the rank at mesh coordinate {empty} without rows "
+            "(torch.chunk's cut); change the size or the mesh, or shard another dimension"
+        )
     return tuple(fixed)
 
 

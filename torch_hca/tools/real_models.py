@@ -14,8 +14,10 @@ SEQ = 64
 
 
 # Megatron storage: GPT-2's Conv1D weights are [in, out], so column-parallel c_attn / c_fc are Shard(1)
-# (bias Shard(0)), row-parallel c_proj Shard(0); Llama's q, k, v, gate, up Shard(0), o, down Shard(1), its
-# embedding and head vocabulary-parallel (Shard(0); GPT-2's 50,257 rows do not divide by 2). Norms replicated.
+# (bias Shard(0)), row-parallel c_proj Shard(0); Llama's q, k, v, gate, up Shard(0), o, down Shard(1). The
+# embeddings and heads vocabulary-parallel (Shard(0)): GPT-2's tied 50,257 rows as torch.chunk cuts them
+# (25,129 : 25,128 at 2 ranks, read only as stored: torch_hca/spmd/chunks.py), so its loss belongs in the
+# module (`LossOf`, as the bench runs it). Norms replicated.
 MEGATRON = {
     "gpt2_small": {
         "hf.transformer.h.*.attn.c_attn.weight": Shard(1),
@@ -24,6 +26,7 @@ MEGATRON = {
         "hf.transformer.h.*.mlp.c_fc.weight": Shard(1),
         "hf.transformer.h.*.mlp.c_fc.bias": Shard(0),
         "hf.transformer.h.*.mlp.c_proj.weight": Shard(0),
+        "hf.transformer.wte.weight": Shard(0),  # tied to the head
     },
     "llama_100m": {
         "hf.model.layers.*.self_attn.[qkv]_proj.weight": Shard(0),

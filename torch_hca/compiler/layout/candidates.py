@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from torch_hca.compiler import attention, dtensor_ops
 from torch_hca.compiler.embedding import embedding
+from torch_hca.spmd.chunks import is_uneven, uneven_mesh_dims
 from torch_hca.spmd.cost_model import CostModel, smallest_matmul_dim
 from torch_hca.spmd.collective_nodes import nbytes
 from torch_hca.spmd.op_families import TORCH_MATMULS, TORCH_VIEWS, torch_flops
@@ -159,7 +160,11 @@ def candidate_layouts(value: DTensor, mesh: DeviceMesh, storage: Layout | None) 
     evenly.
     """
     if storage is not None:
-        options = [(p, Replicate(), Partial()) if isinstance(p, Shard) else (p, Partial()) for p in storage]
+        uneven = uneven_mesh_dims(value.shape, storage, mesh.shape)  # read only as stored
+        options = [
+            (p,) if m in uneven else (p, Replicate(), Partial()) if isinstance(p, Shard) else (p, Partial())
+            for m, p in enumerate(storage)
+        ]
         return list(dict.fromkeys(itertools.product(*options)))
     shape = value.shape
     # On a mesh dim of one rank every placement holds the same data: read it replicated.
@@ -287,6 +292,16 @@ def _storage_choices(node: fx.Node, value: DTensor, mesh: DeviceMesh) -> Op:
     return Op(node, [], strategies, requires_grad=bool(value.requires_grad), value=value, is_parameter=True)
 
 
+def _uneven_written(slot: fx.Node, ops: dict[fx.Node, Op], mesh: DeviceMesh) -> list[Layout]:
+    """The layouts `slot`'s producer may write whose pieces are uneven (GPT-2's logits over a
+    vocabulary cut 25,129 : 25,128): read as written, they are offered beside the even ones."""
+    if slot not in ops or ops[slot].value is None:
+        return []
+    shape = ops[slot].value.shape
+    written = dict.fromkeys(st.output for st in ops[slot].strategies)
+    return [w for w in written if is_uneven(shape, w, mesh.shape)]
+
+
 def _chunk_of(written: Layout, read: Layout) -> bool:
     """`read` is `written` itself or a local chunk of it (no communication): a mask made
     replicated is read batch-split by attention that splits the batch."""
@@ -295,7 +310,7 @@ def _chunk_of(written: Layout, read: Layout) -> bool:
 
 def _probe_op(gm, node, slots, value, mesh, model: CostModel, storage_of, ops: dict[fx.Node, Op]) -> Op:
     value_of = lambda n: n.meta.get("example_value")
-    per_slot = [candidate_layouts(value_of(s), mesh, storage_of(s)) for s in slots]
+    per_slot = [candidate_layouts(value_of(s), mesh, storage_of(s)) + _uneven_written(s, ops, mesh) for s in slots]
     name = op_name(node)
     per_slot = [[c for c in cands if offered_read(name, i, c)] for i, cands in enumerate(per_slot)]
     if math.prod(len(c) for c in per_slot) > MAX_COMBOS:

@@ -17,15 +17,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from torch_hca._torch_private import quiet_cpu_alltoall_fallback, record_implicit_redistributions
-from torch_hca.compiler.logical import Layout, local_shape
+from torch_hca.compiler.logical import Layout
 from torch_hca.errors import UnsupportedError
+from torch_hca.spmd.chunks import local_piece_shape
 from torch_hca.spmd.placements import letter
 
 
 def _fake_dtensor(like: DTensor, layout: Layout, mesh: DeviceMesh | None = None) -> DTensor:
     """A DTensor of `like`'s global shape in `layout` over `mesh` (default: `like`'s mesh)."""
     mesh = mesh if mesh is not None else like.device_mesh
-    data = torch.empty(local_shape(like.shape, layout, mesh.shape), dtype=like.dtype, device=like._local_tensor.device)
+    # This rank's own piece: where a Shard does not divide, the pieces differ by rank (torch.chunk's).
+    shape = local_piece_shape(like.shape, layout, mesh.shape, mesh.get_coordinate())
+    data = torch.empty(shape, dtype=like.dtype, device=like._local_tensor.device)
     return DTensor.from_local(data, mesh, layout, run_check=False, shape=like.shape, stride=like.stride())
 
 

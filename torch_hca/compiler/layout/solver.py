@@ -44,6 +44,7 @@ import torch.fx as fx
 
 from torch_hca.compiler.layout.candidates import Layout, Op, Strategy, split_factor, value_bytes
 from torch_hca.compiler.layout.move_costs import Costs
+from torch_hca.compiler.layout.uneven_moves import UNEVEN_MOVE_S, moves_uneven, refuse_uneven_moves
 from torch_hca.compiler.layout.value_row import ValueRow
 from torch_hca.spmd.placements import layout_str
 from torch_hca.errors import PlanError
@@ -127,6 +128,8 @@ def _edge_cost(
     Moves of a parameter are bucketed: they add their bucket to `used`.
     """
     q, varying = key
+    if moves_uneven(e.producer, out, key, costs.sizes):
+        return UNEVEN_MOVE_S, 0.0, []
     nbytes = value_bytes(e.producer.value)
     bucketed = e.producer.is_parameter
     fw = costs.forward(nbytes, out, q, bucketed, used)
@@ -275,6 +278,7 @@ def solve(
             f"fallback: {result.message}",
             time.perf_counter() - start,
         )
+    refuse_uneven_moves([(e.producer, e.consumer, e.slot) for e in _edges(ops)], solution.choice, costs.sizes)
     kept = _rank0s_choice(ops, solution)
     if kept is not solution.choice:
         solution.choice = kept
