@@ -15,7 +15,7 @@ from torch.distributed.tensor import Replicate, Shard
 import torch_hca as hca
 import uneven_pieces_cases as cases
 from torch_hca.errors import PlacementError, UnsupportedError
-from torch_hca.spmd.chunks import local_piece_shape, piece_size, pieces_nonempty, uneven_mesh_dims
+from torch_hca.spmd.chunks import local_piece_shape, piece_size, pieces_nonempty, rank_pieces, uneven_mesh_dims
 
 from dist_cases import fake_world
 
@@ -79,6 +79,19 @@ PROGRAMS = {
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
+def test_megatron_mlp_with_hidden_units_that_do_not_divide(worlds, world_size):
+    """31 hidden units over 2 ranks (16 : 15) or 4 (8 : 8 : 8 : 7): column-parallel fc1 and
+    row-parallel fc2 each hold torch.chunk's piece, and the program is Megatron's even so: one
+    all_reduce of the full-size partial sum (8 x 16 floats), the same size on every rank."""
+    rows = [len(c) for c in torch.arange(31).chunk(world_size)]
+    for rank, r in enumerate(worlds(world_size).run(cases.megatron_mlp, 31)):
+        assert r["hidden_piece"] == rows[rank], r
+        assert r["out_err"] <= TOL and max(r["grad_errs"].values()) <= TOL, r
+        assert max(r["param_errs"].values()) <= TOL, r
+        assert r["collectives"] == [("forward", "all_reduce", 8 * 16 * 4)], r["collectives"]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_uneven_logits_returned_are_gathered_padded(worlds, world_size):
     """The logits returned replicated: the head's pieces (513 : 512 classes, or 257 : 256 : 256 : 256)
     gathered by DTensor's padded all_gather, each piece padded to the largest; the report's bytes
@@ -110,3 +123,9 @@ def test_a_cut_that_leaves_a_rank_empty_is_refused():
     with fake_world(4):
         with pytest.raises(PlacementError, match="leaves the rank at mesh coordinate \\(3,\\) without rows"):
             hca.sharded({"weight": Shard(0)})(torch.nn.Linear(4, 5))
+
+
+def test_rank_pieces_in_rank_order():
+    # A (2, 2) mesh whose ranks are laid out transposed: rank 1 sits at coordinate (1, 0).
+    assert rank_pieces((5, 3), ("S(0)", "R"), (2, 2), [[0, 2], [1, 3]]) == [[3, 3], [2, 3], [3, 3], [2, 3]]
+    assert rank_pieces((4, 3), ("S(0)", "R"), (2, 2), [[0, 1], [2, 3]]) is None

@@ -32,6 +32,8 @@ MODELS = {
         torch.randn(64, 16),
     ),
     "megatron_mlp": lambda: (hca.sharded(zoo.MEGATRON_MLP)(zoo.MLP(16, 32)), torch.randn(8, 16)),
+    # The MLP's 510 hidden units over 4 ranks: torch.chunk's pieces 128 : 128 : 128 : 126, declared in the file.
+    "tp_block_uneven": lambda: (hca.sharded(zoo.TP_BLOCK)(zoo.TransformerBlock(128, 4, 510)), torch.randn(2, 6, 128)),
     "tp_block": lambda: (hca.sharded(zoo.TP_BLOCK)(zoo.TransformerBlock(128, 4, 512)), torch.randn(2, 6, 128)),
 }
 # On a 2-D (dp, tp) mesh of the same 4 ranks.
@@ -101,6 +103,8 @@ def dropped_reduction(d, rng):
     del g["values"][m["node"]]
     for v in g["values"].values():
         v["reads"] = [m["value"] if r == m["node"] else r for r in v["reads"]]
+    for out in g["outputs"]:
+        out["value"] = m["value"] if out["value"] == m["node"] else out["value"]
     gone = {s["collective"] for s in m["steps"]}
     g["collectives"] = [c for c in g["collectives"] if c["id"] not in gone]
     for grp in g["groups"].values():
@@ -259,13 +263,29 @@ def wrong_participants(d, rng):
 
 
 def indivisible_shard(d, rng):
-    sharded = [v for v in _graph(d)["values"].values() if _sharded_at(v) is not None and v["kind"] != "parameter"]
+    sharded = [
+        v
+        for v in _graph(d)["values"].values()
+        if _sharded_at(v) is not None and v["kind"] != "parameter" and "pieces" not in v
+    ]
     if not sharded:
         return None
     v = rng.choice(sharded)
     dim = int(v["placements"][_sharded_at(v)][2:-1])
     v["shape"][dim] += " + 1" if isinstance(v["shape"][dim], str) else 1  # a symbolic size: odd at the samples
     return "shard divides"
+
+
+def wrong_pieces(d, rng):
+    """A value cut unevenly whose declared pieces are not torch.chunk's (a row moved between ranks)."""
+    uneven = [v for v in _graph(d)["values"].values() if "pieces" in v]
+    if not uneven:
+        return None
+    v = rng.choice(uneven)
+    dim = int(v["placements"][_sharded_at(v)][2:-1])
+    first, last = v["pieces"][0], v["pieces"][-1]
+    first[dim], last[dim] = first[dim] - 1, last[dim] + 1
+    return "shard pieces"
 
 
 def wrong_world_size(d, rng):
@@ -401,6 +421,7 @@ MUTATIONS = [
     stale_digest,
     wrong_participants,
     indivisible_shard,
+    wrong_pieces,
     wrong_world_size,
     wrong_mesh_dim,
     wrong_move_source,

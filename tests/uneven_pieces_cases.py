@@ -103,3 +103,33 @@ def logits_returned() -> dict:
         "grad_errs": _errs(model, ref, "grad"),
         "collectives": [(c.direction, c.kind, c.bytes) for c in report.collectives],
     }
+
+
+def megatron_mlp(hidden: int) -> dict:
+    """`zoo.MLP(16, hidden)` on Megatron storage (fc1 by rows, fc2 by columns) where `hidden` does not
+    divide by the ranks: each rank's hidden units are torch.chunk's piece. 2 SGD steps against one
+    device; the collectives; the hidden pieces."""
+    from torch_hca.tools import zoo
+
+    torch._dynamo.reset()
+    hca.init_mesh()
+    torch.manual_seed(0)
+    ref = zoo.MLP(16, hidden)
+    model = hca.sharded(zoo.MEGATRON_MLP)(copy.deepcopy(ref))
+    compiled = torch.compile(model, backend="hca", options={"check": True, "strict": True}, dynamic=False)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    out: dict = {}
+    for step in range(2):
+        y, ref_y = compiled(x), ref(x)
+        y.pow(2).sum().backward()
+        ref_y.pow(2).sum().backward()
+        if step == 0:
+            out["out_err"], out["grad_errs"] = _rel(y, ref_y), _errs(model, ref, "grad")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    out["param_errs"] = _errs(model, ref, "param")
+    out["hidden_piece"] = model.fc1.weight.to_local().shape[0]
+    out["collectives"] = [(c.direction, c.kind, c.bytes) for c in hca.report(compiled).collectives]
+    return out

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Placement
 from torch_hca._torch_private import group_size, origin_of
 from torch_hca.compiler import dtensor_ops
 from torch_hca.errors import StrategyError
+from torch_hca.spmd.chunks import rank_pieces
 from torch_hca.spmd.collective_kinds import RULES, Kind, bytes_per_rank, move_kind
 from torch_hca.spmd.collective_nodes import OPS, node_group, node_kind, node_payload, payload_bytes
 from torch_hca.spmd.placements import dtype_str, layout_str, layout_texts, text_letter
@@ -169,6 +170,9 @@ def _graph_entry(g: Any, mesh: dict) -> dict:
             entry["parameter"] = inputs_of_params[node.name]
             entry["cotangent_role"] = g.parameters[entry["parameter"]].get("grad_reduction")
         entry["reads"] = [a.name for a in node.all_input_nodes if a.name in values]
+        # Declared, so that a size changed by one is not taken for an uneven cut.
+        if (pieces := rank_pieces(entry["shape"], entry["placements"] or [], mesh["shape"], mesh["ranks"])) is not None:
+            entry["pieces"] = pieces
         values[node.name] = entry
     issued = _issued(g, facts)
     collectives = _collectives(g, facts, issued)

@@ -10,8 +10,10 @@ another cut, by given ratios, of a call's inputs.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
+import torch
 from torch.distributed.tensor import Shard
 
 
@@ -54,3 +56,17 @@ def local_piece_shape(shape: Sequence, layout: Sequence, mesh_shape: Sequence[in
             size = local[p.dim]
             local[p.dim] = piece_size(size, n, c) if isinstance(size, int) else size // n
     return local
+
+
+def rank_pieces(shape: Sequence, layout: Sequence, mesh_shape: Sequence[int], ranks) -> list[list] | None:
+    """Each rank's piece shape, in rank order (`ranks`: the mesh's rank numbers, nested as the
+    mesh), where `layout` (placements, or their texts "S(0)", "R") cuts `shape` unevenly; None
+    where every cut divides or a size is symbolic."""
+    layout = [Shard(int(p[2:-1])) if isinstance(p, str) and p.startswith("S(") else p for p in layout]
+    if len(layout) != len(mesh_shape) or not all(isinstance(n, int) for n in shape):
+        return None
+    if not is_uneven(shape, layout, mesh_shape):
+        return None
+    grid = torch.tensor(ranks).reshape(list(mesh_shape))
+    coordinate = {int(grid[c]): c for c in itertools.product(*(range(n) for n in mesh_shape))}
+    return [local_piece_shape(shape, layout, mesh_shape, coordinate[r]) for r in sorted(coordinate)]

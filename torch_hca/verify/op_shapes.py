@@ -99,7 +99,10 @@ def reshape(at: At) -> Verdict:
     gi, go = next(g for g in found if r.dim in g[0])
     if r.dim != gi[0]:
         return none(f"dim {r.dim} is not the outermost of the dims {gi} the view merges")
-    if at.shape[go[0]] % at.n:
+    kept = len(gi) == 1 and len(go) == 1  # the cut dim stays as it is: torch.chunk's pieces stay too
+    if r.shape[r.dim] % at.n and not kept:
+        return none(f"dim {r.dim} (size {r.shape[r.dim]}) is cut unevenly and the view merges or splits it")
+    if at.shape[go[0]] % at.n and not kept:
         return none(f"output dim {go[0]} (size {at.shape[go[0]]}) cannot be cut {at.n} ways")
     return only(f"S({go[0]})", f"input dims {gi} become output dims {go}")
 

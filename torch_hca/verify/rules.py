@@ -19,6 +19,8 @@ import torch
 
 from torch_hca.spmd.collective_kinds import RULES, Kind, backward_kinds, bytes_per_rank, move_kind
 
+from . import pieces as P
+
 SCHEMA, VERSION = "torch_hca.strategy", 1
 _PLACEMENT = re.compile(r"S\((\d+)\)|R|P\((\w+)\)")
 
@@ -129,13 +131,15 @@ class Graph:
         self.moves = {m.get("node"): m for m in g["moves"]}
         self.collectives = {c.get("id"): c for c in g["collectives"]}
         self.issued = {c.get("id"): c for c in g["issued"]}
+        self.mesh = P.Mesh(self.sizes, data["mesh"]["ranks"])
 
     def at(self, name: str) -> str:
         return f"{self.where}, value {name!r}"
 
 
 def placements(G: Graph) -> Iterator[Problem]:
-    """Every placement parses, one per mesh dim, and shards divide the logical shape evenly."""
+    """Every placement parses, one per mesh dim, and shards divide the logical shape evenly
+    or are torch.chunk's pieces, declared, none empty."""
     for name, v in G.values.items():
         ps, shape = v.get("placements"), v.get("shape") or []
         if (
@@ -154,12 +158,24 @@ def placements(G: Graph) -> Iterator[Problem]:
                     continue
                 cuts[d] = cuts.get(d, 1) * G.sizes[m]
         for d, n in cuts.items():
-            if shape[d] % n:
+            if not isinstance(shape[d], int) or shape[d] % n == 0:
+                continue
+            # A cut that does not divide is torch.chunk's, and the file declares each rank's piece.
+            if "pieces" not in v:
                 yield Problem(
                     G.at(name),
                     "shard divides",
-                    f"shape {shape} split {n} ways on dim {d}",
-                    f"a size divisible by {n} on dim {d}",
+                    f"shape {shape} split {n} ways on dim {d}, no pieces declared",
+                    f"a size divisible by {n} on dim {d}, or each rank's piece (torch.chunk's) in 'pieces'",
+                )
+                continue
+            mine = [P.local_shape(shape, ps, G.mesh, r) for r in range(G.mesh.world)]
+            if v["pieces"] != mine or any(0 in piece for piece in mine):
+                yield Problem(
+                    G.at(name),
+                    "shard pieces",
+                    f"pieces {v['pieces']} of shape {shape}",
+                    f"torch.chunk's pieces {mine}, none empty",
                 )
 
 
@@ -199,6 +215,19 @@ def partial_reduced(G: Graph) -> Iterator[Problem]:
                         f"{v.get('op')} reads {read!r} as {a} on mesh dim {m} and writes {b}",
                         f"a move reducing {read!r} ({a} -> R or S) before {name!r} reads it",
                     )
+    # The caller reads a result as the outputs say; under shares each rank hands back its own
+    # weighted summand over the uneven mesh dim (share_rules checks those).
+    by_shares = (G.g.get("shares") or {}).get("mesh_dim")
+    for i, out in enumerate(G.g.get("outputs") or []):
+        v = G.values.get(out.get("value")) or {}
+        for m, (a, b) in enumerate(zip(v.get("placements") or [], out.get("placements") or [])):
+            if a.startswith("P") and not b.startswith("P") and m != by_shares:
+                yield Problem(
+                    f"{G.where}, output {i}",
+                    "partial reduced before use",
+                    f"the caller receives {out.get('value')!r}, {a} on mesh dim {m}, as {b}",
+                    f"a move reducing {out.get('value')!r} ({a} -> {b}) before it is returned",
+                )
 
 
 def moves(G: Graph) -> Iterator[Problem]:
@@ -265,7 +294,16 @@ def _step(G: Graph, where: str, value: dict, s: dict) -> Iterator[Problem]:
             where, "move issues its collective", s.get("collective"), f"the id of the forward {kind.value} it issues"
         )
         return
-    for key, should in (("kind", kind.value), ("mesh_dim", d), ("bytes", payload), ("direction", "forward")):
+    uneven = uneven_cut(value, src, d, G.sizes)
+    if uneven is not None and (kind is not Kind.ALL_GATHER or value.get("kind") == "parameter"):
+        yield Problem(
+            where,
+            "uneven moves",
+            f"{kind.value} of {value.get('shape')} cut unevenly on dim {uneven[0]}",
+            "a gather of an activation (padded all_gather), the only move of an uneven value",
+        )
+    wire_payload = payload if uneven is None else payload // uneven[1] * uneven[2]
+    for key, should in (("kind", kind.value), ("mesh_dim", d), ("bytes", wire_payload), ("direction", "forward")):
         if c.get(key) != should and not (key == "kind" and kind is Kind.ALL_TO_ALL and c.get(key) == "all_gather"):
             yield Problem(where, "emitted collective", f"{c.get('id')} {key} {c.get(key)}", should)
     partner = G.collectives.get(c.get("partner"))
@@ -276,3 +314,20 @@ def _step(G: Graph, where: str, value: dict, s: dict) -> Iterator[Problem]:
             f"backward {s.get('backward')}",
             f"{(partner or {}).get('kind')} (the kind of {c.get('id')}'s partner {c.get('partner')})",
         )
+
+
+def uneven_cut(value: dict, src: list, d: int, sizes: list[int]) -> tuple[int, int, int] | None:
+    """Where mesh dim `d` cuts `value` (laid out as `src`) unevenly: (its dim, size, the padded size,
+    every piece padded to the largest as the emitted all_gather sends it); else None."""
+    p = src[d] if d < len(src) else "R"
+    shape = value.get("shape") or []
+    if not p.startswith("S") or int(p[2:-1]) >= len(shape) or not isinstance(shape[int(p[2:-1])], int):
+        return None
+    dim = int(p[2:-1])
+    size = shape[dim]
+    for e, q in enumerate(src[:d]):  # mesh dims before d cut the dim first, as DTensor cuts
+        if q == p:
+            size = -(-size // sizes[e])
+    if size % sizes[d] == 0:
+        return None
+    return dim, size, -(-size // sizes[d]) * sizes[d]
