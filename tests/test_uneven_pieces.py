@@ -129,3 +129,30 @@ def test_rank_pieces_in_rank_order():
     # A (2, 2) mesh whose ranks are laid out transposed: rank 1 sits at coordinate (1, 0).
     assert rank_pieces((5, 3), ("S(0)", "R"), (2, 2), [[0, 2], [1, 3]]) == [[3, 3], [2, 3], [3, 3], [2, 3]]
     assert rank_pieces((4, 3), ("S(0)", "R"), (2, 2), [[0, 1], [2, 3]]) is None
+
+
+def test_strategy_file_of_an_uneven_table_verifies_and_loads(tmp_path):
+    """GPT-2 with its table cut 513 : 512 (fake world 2): the saved file declares the uneven values'
+    pieces, the verifier accepts it against the model (numerical check included), and a compile
+    that loads it issues the same collectives without solving."""
+    from torch_hca.tools.real_models import LossOf
+
+    path = tmp_path / "s.json"
+    ids = torch.randint(0, cases.VOCAB, (2, 64))
+    collectives = []
+    with fake_world(2):
+        for options in ({}, {"strategy": str(path)}):
+            torch._dynamo.reset()
+            model = hca.sharded(cases.PLAN, inputs=Replicate(), outputs=Replicate())(LossOf(cases.gpt2().hf))
+            compiled = torch.compile(model, backend="hca", options={"strict": True, **options}, dynamic=False)
+            compiled(ids).backward()
+            report = hca.report(compiled)
+            collectives.append([(c.direction, c.kind, c.bytes) for c in report.collectives])
+            if not options:
+                data = report.save_strategy(path)
+        assert "strategy file" in str(report.graphs[0].layout.solver)
+    assert collectives[0] == collectives[1]
+    table = next(v for v in data["graphs"][0]["values"].values() if v.get("parameter") == "hf.transformer.wte.weight")
+    assert table["pieces"] == [[513, 64], [512, 64]]
+    result = hca.verify(LossOf(cases.gpt2().hf), path, (ids,))
+    assert result.ok and result.numeric is not None and not result.numeric.skipped, result
