@@ -103,6 +103,20 @@ def test_uneven_logits_returned_are_gathered_padded(worlds, world_size):
         assert gathers[-1] == world_size * largest * 2 * 64 * 4, r["collectives"]  # (2, 64) rows of classes
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_zoo_llama_with_a_vocabulary_that_does_not_divide(worlds, world_size):
+    """The zoo's Llama, 65 tokens: its untied embedding and head cut 33 : 32 (or 17 : 16 : 16 : 16)
+    beside Megatron's blocks, the logits returned and gathered padded: loss, gradients and the
+    parameters after 2 SGD steps equal one device's."""
+    rows = [len(c) for c in torch.arange(65).chunk(world_size)]
+    for rank, r in enumerate(worlds(world_size).run(cases.zoo_llama_odd_vocabulary, 65)):
+        assert r["pieces"][0] == rows[rank], r["pieces"]
+        assert max(r["loss_errs"]) <= TOL and max(r["grad_errs"].values()) <= TOL, r
+        assert max(r["param_errs"].values()) <= TOL, r["param_errs"]
+        gathers = [b for d, k, b in r["collectives"] if d == "forward" and k == "all_gather"]
+        assert world_size * rows[0] * 4 * 16 * 4 in gathers, r["collectives"]  # the logits, (4, 16) rows
+
+
 def test_other_moves_of_uneven_values_are_refused_by_name():
     """The logits returned split by the batch would move the head's uneven pieces to another dim
     (an all_to_all of uneven pieces, not built): refused, naming the value and the fix."""

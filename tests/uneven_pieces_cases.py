@@ -133,3 +133,39 @@ def megatron_mlp(hidden: int) -> dict:
     out["hidden_piece"] = model.fc1.weight.to_local().shape[0]
     out["collectives"] = [(c.direction, c.kind, c.bytes) for c in hca.report(compiled).collectives]
     return out
+
+
+def zoo_llama_odd_vocabulary(vocab: int = 65) -> dict:
+    """The zoo's Llama (GQA, RMSNorm, SwiGLU, untied head) with a `vocab`-token vocabulary on
+    Megatron storage plus its embedding and head cut by rows (torch.chunk's pieces), the logits
+    returned (gathered padded) and the loss outside: 2 SGD steps against one device."""
+    import model_zoo
+
+    torch._dynamo.reset()
+    hca.init_mesh()
+    saved, model_zoo.VOCAB = model_zoo.VOCAB, vocab
+    try:
+        torch.manual_seed(0)
+        ref, make_inputs, loss_of = model_zoo.llama()
+        inputs = make_inputs(4)
+    finally:
+        model_zoo.VOCAB = saved
+    plan = {**model_zoo.MEGATRON["llama"], "hf.model.embed_tokens.weight": Shard(0), "hf.lm_head.weight": Shard(0)}
+    model = hca.sharded(plan, inputs=Replicate(), outputs=Replicate())(copy.deepcopy(ref))
+    compiled = torch.compile(model, backend="hca", options={"check": True, "strict": True}, dynamic=False)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    out: dict = {"loss_errs": []}
+    for step in range(2):
+        loss, ref_loss = loss_of(compiled(*inputs), inputs), loss_of(ref(*inputs), inputs)
+        loss.backward()
+        ref_loss.backward()
+        out["loss_errs"].append(abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
+        if step == 0:
+            out["grad_errs"] = _errs(model, ref, "grad")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    out["param_errs"] = _errs(model, ref, "param")
+    out["pieces"] = tuple(dict(model.named_parameters())["hf.lm_head.weight"].to_local().shape)
+    out["collectives"] = [(c.direction, c.kind, c.bytes) for c in hca.report(compiled).collectives]
+    return out
