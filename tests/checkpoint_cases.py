@@ -285,3 +285,38 @@ def meta_init() -> dict[str, Any]:
     out["out_err"] = ((model(x) - ref(x)).norm() / ref(x).norm()).item()  # fc2's pieces sum in another order
     out["names"] = _names_and_roles(model)
     return out
+
+
+# ----------------------------------------------------------------------------- another world size
+
+
+def full_state_of(model, opt) -> dict[str, torch.Tensor]:
+    """Every parameter and optimizer state tensor whole (gathered): comparable across world sizes."""
+    whole = lambda t: t.full_tensor() if isinstance(t, DTensor) else t
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = whole(p).detach().clone()
+        for key, value in opt.state[p].items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                out[f"{name}/{key}"] = whole(value).detach().clone()
+    return out
+
+
+def train_save_train_whole(path: str) -> dict[str, torch.Tensor]:
+    """`train_save_train`, its end state gathered whole."""
+    model, opt = trained(0, steps=3)
+    hca.save(model, opt, path, extra={"step": 3})
+    train(model, opt, range(3, 5))
+    return full_state_of(model, opt)
+
+
+def load_train_whole(path: str, reshard: bool) -> dict[str, Any]:
+    """In another world: load (`reshard`), train the last 2 steps; the end state whole, or the error."""
+    model = sharded_mlp(7)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    try:
+        extra = hca.load(model, opt, path, reshard=reshard)
+    except hca.HCAError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    train(model, opt, range(extra["step"], 5))
+    return {"state": full_state_of(model, opt), "pieces": tuple(model.fc1.weight.to_local().shape)}

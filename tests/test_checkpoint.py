@@ -140,3 +140,21 @@ def test_bad_arguments(tmp_path):
         hca.save(model, None, tmp_path, extra={"x": object()})
     with pytest.raises(hca.CheckpointError, match="expected a state dict"):
         hca.load_full_state_dict(model, [1, 2])
+
+
+def test_resume_at_another_world_size(worlds, tmp_path):
+    """Saved by 2 ranks (fc1's 16 rows 8 a rank), resumed by 4 (4 a rank) with reshard=True: the last
+    2 Adam steps end where the uninterrupted 2-rank run ends (every parameter and moment, whole,
+    within 1e-6: the row-parallel sums add 2 or 4 pieces, so not bitwise). Without reshard=True the
+    other world is a named error."""
+    root = str(tmp_path / "ckpt")
+    with hca.LocalWorld(2, timeout_s=60) as world:
+        uninterrupted = world.run(checkpoint_cases.train_save_train_whole, root)[0]
+    refused = worlds(4).run(checkpoint_cases.load_train_whole, root, False)[0]
+    assert "error" in refused and "reshard=True" in refused["error"], refused
+    for r in worlds(4).run(checkpoint_cases.load_train_whole, root, True):
+        assert r["pieces"] == (4, 8), r["pieces"]
+        assert r["state"].keys() == uninterrupted.keys()
+        for k, want in uninterrupted.items():
+            err = (r["state"][k] - want).norm() / want.norm().clamp_min(1e-30)
+            assert err <= 1e-6, (k, err)
