@@ -398,6 +398,22 @@ def bucket_over_cap(d, rng):
     return "bucket cap"
 
 
+def over_in_flight(d, rng):
+    """The schedule's in-flight bound lowered under what the program holds in flight at a start."""
+    g = _graph(d)
+    for direction in ("forward", "backward"):
+        placed = [i for i in g["issued"] if i["direction"] == direction and i.get("start") is not None]
+        held = [
+            sum(o["bytes"] for o in placed if o["start"] < i["start"] < (o.get("last_wait") or -1)) + i["bytes"]
+            for i in placed
+        ]
+        overlapping = [h for h, i in zip(held, placed) if h > i["bytes"]]
+        if overlapping and (g.get("schedule") or {}).get(direction):
+            g["schedule"][direction]["in_flight_bytes"] = rng.choice(overlapping) - 1
+            return "in flight"
+    return None
+
+
 def unknown_version(d, rng):
     d["version"] = 2
     return "schema version"
@@ -427,6 +443,7 @@ MUTATIONS = [
     wrong_move_source,
     wrong_bucket_bytes,
     bucket_over_cap,
+    over_in_flight,
     collective_never_issued,
     dropped_gradient_reduction,
     dropped_transpose,

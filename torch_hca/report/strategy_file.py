@@ -31,6 +31,7 @@ from torch_hca.spmd.collective_kinds import RULES, Kind, bytes_per_rank, move_ki
 from torch_hca.spmd.collective_nodes import OPS, node_group, node_kind, node_payload, payload_bytes
 from torch_hca.spmd.placements import dtype_str, layout_str, layout_texts, text_letter
 
+from torch_hca.report.strategy_issued import issued_collectives
 from torch_hca.report.strategy_residuals import is_size_input, residuals
 
 SCHEMA = "torch_hca.strategy"
@@ -174,7 +175,7 @@ def _graph_entry(g: Any, mesh: dict) -> dict:
         if (pieces := rank_pieces(entry["shape"], entry["placements"] or [], mesh["shape"], mesh["ranks"])) is not None:
             entry["pieces"] = pieces
         values[node.name] = entry
-    issued = _issued(g, facts)
+    issued = issued_collectives(g, facts, BUCKET_TAG)
     collectives = _collectives(g, facts, issued)
     moves = []
     for r in g.redistributions:
@@ -236,32 +237,6 @@ def _placement_text(p: Placement) -> str:
 # Tags the passes leave on collective nodes (passes/transpose.py PARTNER, passes/buckets.py BUCKET):
 # read by name, as the report room may not import the passes.
 PARTNER_TAG, BUCKET_TAG = "hca_partner", "hca_bucket"
-
-
-def _issued(g: Any, facts: dict) -> list[dict]:
-    """The collectives the compiled forward and backward issue, in program order: a bucket is one."""
-    nodes = {}
-    for which in ("forward", "backward"):
-        gm = getattr(g, which)
-        if gm is not None:
-            nodes[which] = {n.name: n for n in gm.graph.nodes}
-    out = []
-    for c in g.collectives:
-        node = nodes.get(c.direction, {}).get(c.node)
-        members = list(node.meta.get(BUCKET_TAG) or []) if node is not None else []
-        out.append(
-            {
-                "id": f"{c.direction}:{c.node}",
-                "direction": c.direction,
-                "kind": c.kind,
-                "group": c.group,
-                "mesh_dim": facts.get("groups", {}).get(c.group),
-                "bytes": c.bytes,
-                "wire_bytes": c.wire_bytes,
-                "members": [f"{c.direction}:{m}" for m in members] or [f"{c.direction}:{c.node}"],
-            }
-        )
-    return out
 
 
 def _collectives(g: Any, facts: dict, issued: list[dict]) -> list[dict]:

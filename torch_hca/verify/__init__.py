@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from torch_hca.errors import StrategyError
 
-from .collective_rules import collectives, groups, issued, owed
+from .collective_rules import collectives, groups, in_flight, issued, owed
 from .numeric import Numeric
 from .numeric import check as numeric_check
 from .op_rules import OpTally, op_placement, tally
@@ -43,6 +43,7 @@ GRAPH_RULES = (
     collectives,
     owed,
     issued,
+    in_flight,
     groups,
     residuals,
     shares,

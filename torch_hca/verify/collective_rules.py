@@ -286,3 +286,27 @@ def _rank_orders(G: Graph, name: str, grp: dict, where: str) -> Iterator[Problem
                 f"collective #{k} is {mine[k] if k < len(mine) else 'nothing'}",
                 f"{theirs[k] if k < len(theirs) else 'nothing'}, as rank {first_rank} issues it (one order on every rank)",
             )
+
+
+def in_flight(G: Graph) -> Iterator[Problem]:
+    """At each start, the bytes started and not yet waited on stay within the direction's
+    ``in_flight_bytes`` (a collective may start alone over it, nothing in flight). Replayed from
+    each issued collective's ``start`` and ``last_wait`` (node indices of its graph); a file
+    without them, or without a schedule, is not checked."""
+    for direction in ("forward", "backward"):
+        bound = ((G.g.get("schedule") or {}).get(direction) or {}).get("in_flight_bytes")
+        placed = [i for i in G.g["issued"] if i.get("direction") == direction and i.get("start") is not None]
+        if bound is None or not placed:
+            continue
+        for i in placed:
+            held = [
+                o for o in placed if o is not i and o["start"] < i["start"] and (o.get("last_wait") or -1) > i["start"]
+            ]
+            total = sum(o.get("bytes", 0) for o in held)
+            if held and total + i.get("bytes", 0) > bound:
+                yield Problem(
+                    f"{G.where}, issued collective {i.get('id')!r}",
+                    "in flight",
+                    f"starts with {len(held)} collective(s) of {total} bytes in flight, {i.get('bytes')} more",
+                    f"at most the {direction} schedule's in_flight_bytes ({bound} bytes) in flight at once",
+                )
