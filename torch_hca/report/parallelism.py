@@ -15,6 +15,7 @@ import math
 from collections import Counter
 from typing import Any
 
+from torch_hca.compiler.layout.uneven_moves import UNEVEN_MOVE_S
 from torch_hca.compiler.layout.value_row import ValueRow
 from torch_hca.spmd.placements import layout_texts, text_letter
 
@@ -124,7 +125,10 @@ def sentence(g: Any) -> str:
         alt = lay.as_written_s
         if alt is not None:
             same = math.isclose(alt, lay.objective_s, rel_tol=1e-6)
-            predicted += ", as written the same cost" if same else f", as written {_ms(alt)} (rejected)"
+            if alt >= UNEVEN_MOVE_S:  # priced out: a move of uneven pieces that is not built
+                predicted += ", as written not possible (it moves uneven pieces: a gather of a parameter or a scatter)"
+            else:
+                predicted += ", as written the same cost" if same else f", as written {_ms(alt)} (rejected)"
         parts.append(predicted)
     else:
         parts.append(f"layout by {lay.solver}")
