@@ -37,7 +37,8 @@ def test_uneven_dims_follow_dtensors_order_of_cuts():
     assert uneven_mesh_dims((12, 4), (Shard(0), Replicate()), (2, 2)) == []
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+# World 2 only, for the suite's time (21 s at 4): world 4 is the zoo Llama's and the MLP's below.
+@pytest.mark.parametrize("world_size", [2])
 def test_gpt2_with_its_table_cut_unevenly_trains_as_one_device(worlds, world_size):
     """The 1,025-row tied table (513 : 512, or 257 : 256 : 256 : 256) read where it lies by the lookup and by
     the head; the loss in the module takes each rank's classes. Loss, gradients, parameters after 2
@@ -91,7 +92,7 @@ def test_megatron_mlp_with_hidden_units_that_do_not_divide(worlds, world_size):
         assert r["collectives"] == [("forward", "all_reduce", 8 * 16 * 4)], r["collectives"]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2])  # at 4: the zoo Llama's logits below
 def test_uneven_logits_returned_are_gathered_padded(worlds, world_size):
     """The logits returned replicated: the head's pieces (513 : 512 classes, or 257 : 256 : 256 : 256)
     gathered by DTensor's padded all_gather, each piece padded to the largest; the report's bytes
