@@ -102,12 +102,16 @@ def load_matches(path: str, seed: int) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- resume
 
 
-def train_save_train(path: str) -> dict[str, torch.Tensor]:
-    """3 steps, save, 2 more: the uninterrupted run."""
+def _trained_saved_trained(path: str):
     model, opt = trained(0, steps=3)
     hca.save(model, opt, path, extra={"step": 3})
     train(model, opt, range(3, 5))
-    return state_of(model, opt)
+    return model, opt
+
+
+def train_save_train(path: str) -> dict[str, torch.Tensor]:
+    """3 steps, save, 2 more: the uninterrupted run."""
+    return state_of(*_trained_saved_trained(path))
 
 
 def load_train(path: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -304,10 +308,7 @@ def full_state_of(model, opt) -> dict[str, torch.Tensor]:
 
 def train_save_train_whole(path: str) -> dict[str, torch.Tensor]:
     """`train_save_train`, its end state gathered whole."""
-    model, opt = trained(0, steps=3)
-    hca.save(model, opt, path, extra={"step": 3})
-    train(model, opt, range(3, 5))
-    return full_state_of(model, opt)
+    return full_state_of(*_trained_saved_trained(path))
 
 
 def load_train_whole(path: str, reshard: bool) -> dict[str, Any]:

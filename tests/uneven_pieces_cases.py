@@ -41,6 +41,25 @@ def _errs(model, ref, what: str) -> dict[str, float]:
     return {n: _rel(p.grad if what == "grad" else p, q.grad if what == "grad" else q) for (n, p), (_, q) in pairs}
 
 
+def _two_sgd_steps(model, ref, loss, ref_loss) -> dict:
+    """2 SGD steps of `model` (its loss `loss()`) beside `ref` (`ref_loss()`): each step's loss error,
+    the first step's gradient errors, the parameters' errors after both."""
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    out: dict = {"loss_errs": []}
+    for step in range(2):
+        value, ref_value = loss(), ref_loss()
+        value.backward()
+        ref_value.backward()
+        out["loss_errs"].append(abs(value.item() - ref_value.item()) / abs(ref_value.item()))
+        if step == 0:
+            out["grad_errs"] = _errs(model, ref, "grad")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    out["param_errs"] = _errs(model, ref, "param")
+    return out
+
+
 def train_two_steps() -> dict:
     """Loss, gradients and parameters after 2 SGD steps against one device; the collectives; the
     table's piece on this rank; a save and load of the uneven table (hca.save / hca.load)."""
@@ -49,21 +68,8 @@ def train_two_steps() -> dict:
     ref = gpt2()
     model = hca.sharded(PLAN, inputs=Replicate(), outputs=Replicate())(copy.deepcopy(ref))
     compiled = torch.compile(model, backend="hca", options={"check": True, "strict": True}, dynamic=False)
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(1))
-    out: dict = {"loss_errs": []}
-    for step in range(2):
-        loss, ref_loss = compiled(ids), ref(ids)
-        loss.backward()
-        ref_loss.backward()
-        out["loss_errs"].append(abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
-        if step == 0:
-            out["grad_errs"] = _errs(model, ref, "grad")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    out["param_errs"] = _errs(model, ref, "param")
+    out = _two_sgd_steps(model, ref, lambda: compiled(ids), lambda: ref(ids))
     table = dict(model.named_parameters())["hf.transformer.wte.weight"]
     out["table_piece"] = tuple(table.to_local().shape)
     report = hca.report(compiled)
@@ -153,19 +159,7 @@ def zoo_llama_odd_vocabulary(vocab: int = 65) -> dict:
     plan = {**model_zoo.MEGATRON["llama"], "hf.model.embed_tokens.weight": Shard(0), "hf.lm_head.weight": Shard(0)}
     model = hca.sharded(plan, inputs=Replicate(), outputs=Replicate())(copy.deepcopy(ref))
     compiled = torch.compile(model, backend="hca", options={"check": True, "strict": True}, dynamic=False)
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-    out: dict = {"loss_errs": []}
-    for step in range(2):
-        loss, ref_loss = loss_of(compiled(*inputs), inputs), loss_of(ref(*inputs), inputs)
-        loss.backward()
-        ref_loss.backward()
-        out["loss_errs"].append(abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
-        if step == 0:
-            out["grad_errs"] = _errs(model, ref, "grad")
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    out["param_errs"] = _errs(model, ref, "param")
+    out = _two_sgd_steps(model, ref, lambda: loss_of(compiled(*inputs), inputs), lambda: loss_of(ref(*inputs), inputs))
     out["pieces"] = tuple(dict(model.named_parameters())["hf.lm_head.weight"].to_local().shape)
     out["collectives"] = [(c.direction, c.kind, c.bytes) for c in hca.report(compiled).collectives]
     return out
