@@ -74,6 +74,13 @@ def test_parameters_cut_over_the_uneven_dim_are_refused_by_name(fake_pg):
         hca.sharded({"weight": hca.Shard(0)}, inputs=cut, outputs=cut)(nn.Linear(4, 4))
 
 
+def test_a_parameter_cut_by_shares_is_refused_not_stored_evenly(fake_pg):
+    """A parameter's pieces are torch.chunk's (DTensor's); shares on one were once dropped without
+    a word and the weight stored evenly. Now a named error that says what to write instead."""
+    with pytest.raises(hca.UnsupportedError, match=r"parameter 'weight'.*shares=\(1, 1, 1, 3\).*inputs=hca.Shard"):
+        hca.sharded({"weight": hca.Shard(0, shares=(1, 1, 1, 3))})(nn.Linear(4, 8))
+
+
 def test_results_follow_the_inputs_shares(fake_pg):
     cut = hca.Shard(0, shares=(1, 1, 1, 3))
     with pytest.raises(hca.PlanError, match=r"write outputs=Shard\(0, shares=\(1, 1, 1, 3\)\)"):

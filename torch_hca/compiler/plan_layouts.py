@@ -63,6 +63,13 @@ def check_storage(layout: Layout, shape: torch.Size, mesh: DeviceMesh, what: str
                 f"{what}: Partial() is not a storage placement (a parameter is one value, "
                 "not a sum of pieces); use Shard(d) or Replicate()"
             )
+        if isinstance(p, UnevenShard):
+            raise UnsupportedError(
+                f"{what}: {p!r} cuts a parameter by shares, which is not built: a DTensor parameter's "
+                "pieces are torch.chunk's (its full_tensor, the optimizer and checkpoints read them so), "
+                f"so these shares would be ignored. Store it Shard({p.dim}) (torch.chunk's pieces) or "
+                f"Replicate(), and cut the batch by shares instead: inputs=hca.Shard(0, shares={p.shares})"
+            )
         if isinstance(p, Shard):
             dim = p.dim + len(shape) if p.dim < 0 else p.dim
             if not 0 <= dim < len(shape):

@@ -21,7 +21,8 @@ rows of the same global batch, the others (one device, tensor parallel) the whol
   and the table says so;
 - ``hca`` / ``hca_inductor``: ``backend="hca"`` (inner eager / ``inner="inductor"``) on data-parallel
   storage: every parameter replicated, ``inputs=Shard(0)``;
-- ``hca_megatron``: hca on Megatron storage (`MEGATRON`), inputs and outputs replicated;
+- ``hca_megatron`` / ``hca_megatron_inductor``: hca on Megatron storage (`MEGATRON`), inputs and
+  outputs replicated, inner eager / ``inner="inductor"``;
 - ``hca_plan``: hca on the storage ``hca.plan`` chooses for this batch, ``inputs=Shard(0)``.
 
 The machinery is the bench's (`bench_run`): the same first step checked against one device
@@ -64,6 +65,7 @@ REAL_CONTESTANTS = (
     "hca",
     "hca_inductor",
     "hca_megatron",
+    "hca_megatron_inductor",
     "hca_plan",
 )
 ROWS, TINY_SEQ = (4,), 16
@@ -129,9 +131,10 @@ def builder(plans: dict) -> Callable:
         n = mesh.size()
         if contestant in ("single_inductor", "hca", "hca_inductor"):  # the bench's own, on data-parallel storage
             return bench_build(spec, contestant, ref, mesh, costs, hca_options)
-        if contestant == "hca_megatron":  # the plan's storage, the whole batch on every rank, the loss inside
+        if contestant in ("hca_megatron", "hca_megatron_inductor"):  # the whole batch on every rank, the loss inside
             tp = dataclasses.replace(spec, plan=MEGATRON[_family(spec)], kind="tp")
-            built = bench_build(tp, "hca", LossOf(ref.hf), mesh, costs, hca_options)
+            inner = "hca_inductor" if contestant.endswith("_inductor") else "hca"
+            built = bench_build(tp, inner, LossOf(ref.hf), mesh, costs, hca_options)
             return dataclasses.replace(built, loss_inside=True)
         if contestant == "hca_plan":
             plan = plans.get(spec.name)
