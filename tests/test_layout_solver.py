@@ -315,3 +315,22 @@ def test_each_strategy_is_charged_by_its_local_pieces(fake_pg, monkeypatch):
         for st in op.strategies
     }
     assert column[(R, (Shard(0),)), (Shard(1),)] == pytest.approx(whole / n)  # each rank its output columns
+
+
+def test_a_shard_to_shard_move_is_priced_as_what_runs(fake_pg):
+    """DTensor runs S(a) -> S(b) on a CPU mesh as an all_gather of the whole value (it assumes gloo
+    has no all_to_all), forward and in the backward (the transpose is S(b) -> S(a)); on a CUDA mesh
+    it is an all_to_all, which sends from each rank's piece: a quarter of those bytes at 4 ranks."""
+    from types import SimpleNamespace
+
+    from torch_hca.spmd.collective_kinds import Kind
+    from torch_hca.spmd.cost_model import DEFAULTS
+
+    model, nbytes, n = DEFAULTS["gloo"], 64 * 2**20, 4
+    cpu, cuda = Costs(hca.current_mesh(), model), Costs(SimpleNamespace(shape=(n,), device_type="cuda"), model)
+    gather, piece = model.collective_s(Kind.ALL_GATHER, nbytes, n), model.collective_s(Kind.ALL_TO_ALL, nbytes / n, n)
+    assert piece < gather / 3
+    assert cpu.forward(nbytes, (Shard(0),), (Shard(1),)) == pytest.approx(gather)
+    assert cpu.backward(nbytes, (Shard(0),), (Shard(1),), (True,))[0] == pytest.approx(gather)
+    assert cuda.forward(nbytes, (Shard(0),), (Shard(1),)) == pytest.approx(piece)
+    assert cuda.backward(nbytes, (Shard(0),), (Shard(1),), (True,))[0] == pytest.approx(piece)

@@ -193,6 +193,14 @@ def scatter_runs_as_all_reduce(backend: str, device_type: str) -> bool:
     return device_type == "cpu" and "gloo" in backend
 
 
+def all_to_all_runs_as_all_gather(device_type: str) -> bool:
+    """Whether DTensor moves Shard(a) -> Shard(b) on a `device_type` mesh as an all_gather of
+    the whole value, each rank keeping its piece: on CPU it assumes gloo has no all_to_all
+    (`torch.distributed.tensor._collective_utils.shard_dim_alltoall`), so the move sends n
+    times an all_to_all's bytes, and its price is the all_gather's."""
+    return device_type == "cpu"
+
+
 def cost_model(backend: str, overrides: Mapping[str, Any] | None = None) -> CostModel:
     """The default model for `backend` ("gloo" or "nccl") with `overrides` applied."""
     if backend not in DEFAULTS:

@@ -13,7 +13,7 @@ from torch.distributed.tensor import Replicate
 
 from torch_hca.compiler.layout.candidates import Layout, split_factor
 from torch_hca.spmd.collective_kinds import Kind, cotangent_letter, move_kind
-from torch_hca.spmd.cost_model import CostModel
+from torch_hca.spmd.cost_model import CostModel, all_to_all_runs_as_all_gather
 from torch_hca.spmd.placements import letter
 
 
@@ -24,6 +24,7 @@ class Costs:
         self.mesh = mesh
         self.model = model
         self.sizes = tuple(mesh.shape)
+        self.all_to_all_as_gather = all_to_all_runs_as_all_gather(mesh.device_type)
 
     def payload(self, nbytes: float, a: Layout, b: Layout, m: int) -> float:
         """Bytes of the tensor one group of mesh dimension `m` works on."""
@@ -40,6 +41,8 @@ class Costs:
         made in its order, which must not depend on the hash seed (it differs per rank, and a
         bucket holds a `Kind`, whose hash is its name's), or ranks may break ties differently.
         """
+        if kind is Kind.ALL_TO_ALL:  # `payload` is the whole value's; an all_to_all sends from its piece
+            kind, payload = (Kind.ALL_GATHER, payload) if self.all_to_all_as_gather else (kind, payload / n)
         if bucket is None:
             return self.model.collective_s(kind, payload, n)
         if used is not None and self.model.bandwidth_s(kind, payload, n) > 0:
