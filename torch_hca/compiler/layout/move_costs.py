@@ -24,7 +24,6 @@ class Costs:
         self.mesh = mesh
         self.model = model
         self.sizes = tuple(mesh.shape)
-        self.all_to_all_as_gather = all_to_all_runs_as_all_gather(mesh.device_type)
 
     def payload(self, nbytes: float, a: Layout, b: Layout, m: int) -> float:
         """Bytes of the tensor one group of mesh dimension `m` works on."""
@@ -42,7 +41,8 @@ class Costs:
         bucket holds a `Kind`, whose hash is its name's), or ranks may break ties differently.
         """
         if kind is Kind.ALL_TO_ALL:  # `payload` is the whole value's; an all_to_all sends from its piece
-            kind, payload = (Kind.ALL_GATHER, payload) if self.all_to_all_as_gather else (kind, payload / n)
+            as_gather = all_to_all_runs_as_all_gather(self.mesh.device_type)
+            kind, payload = (Kind.ALL_GATHER, payload) if as_gather else (kind, payload / n)
         if bucket is None:
             return self.model.collective_s(kind, payload, n)
         if used is not None and self.model.bandwidth_s(kind, payload, n) > 0:
