@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 from functorch.compile import make_boxed_func
 
+from torch_hca.backends.staging import stage_collectives
 from torch_hca._torch_private import (
     copy_graph_module,
     group_backend,
@@ -46,7 +47,10 @@ _ADD = torch.ops.aten.add.Tensor
 _EMBEDDING_BACKWARD = torch.ops.aten.embedding_dense_backward.default
 
 
-def emit(gm: fx.GraphModule, example_inputs: list[Any], inner: str, is_backward: bool = False) -> Callable:
+def emit(
+    gm: fx.GraphModule, example_inputs: list[Any], inner: str, is_backward: bool = False, staged: bool = False
+) -> Callable:
+    """`staged`: every collective through host buffers on gloo (`backends/staging.py`)."""
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx_inner
 
@@ -54,16 +58,16 @@ def emit(gm: fx.GraphModule, example_inputs: list[Any], inner: str, is_backward:
         # keeps the graph the passes emitted. Its scheduler would wait on each collective
         # right after starting it; the schedule pass placed the waits late, and so must it.
         gm = copy_graph_module(gm)
-        if _scatter_by_all_reduce(gm):
+        if (stage_collectives(gm) if staged else 0) or _scatter_by_all_reduce(gm):
             gm.recompile()
         # Draws through aten's kernels, as the decompositions were chosen (pipeline.lower).
         random_as_eager = inductor_random_as_eager() if graph_draws(gm) else contextlib.nullcontext()
         with inductor_waits_late(), random_as_eager:
             return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
-    return make_boxed_func(eager_graph(gm).forward)
+    return make_boxed_func(eager_graph(gm, staged).forward)
 
 
-def eager_graph(gm: fx.GraphModule) -> fx.GraphModule:
+def eager_graph(gm: fx.GraphModule, staged: bool = False) -> fx.GraphModule:
     """What the eager emitter runs: a copy of `gm` whose reduce_scatters on gloo run as
     all_reduces, without skippable detaches, whose all_reduces of fresh, otherwise unread
     buffers run in place (`gm` itself, if none of these occurs).
@@ -71,8 +75,13 @@ def eager_graph(gm: fx.GraphModule) -> fx.GraphModule:
     The functional all_reduce copies its input first (3 MiB of gradients cost about
     1 ms on one CPU core); where nothing else reads the input, that copy is waste. A
     detach costs a few microseconds of dispatch each, and a backward has dozens.
-    The report keeps the graph as the passes emitted it.
+    The report keeps the graph as the passes emitted it. `staged`: the collectives staged
+    first (`stage_collectives`), so none is left to run in place.
     """
+    if staged:
+        gm = copy_graph_module(gm)
+        stage_collectives(gm)
+        gm.recompile()
     if not (_scatters_on_gloo(gm) or _skippable_detaches(gm) or _reductions_in_place(gm) or _tied_embedding_sums(gm)):
         return gm
     gm = copy_graph_module(gm)

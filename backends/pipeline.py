@@ -38,6 +38,7 @@ from torch_hca.compiler.checks.agreement import InputAgreement
 from torch_hca.spmd.collective_kinds import RULES
 from torch_hca.spmd.collective_nodes import OPS, node_group, node_payload, payload_bytes
 from torch_hca.compiler.options import Options
+from torch_hca.runtime.mesh import devices_mixed
 from torch_hca.compiler.parameters import parameter_name
 from torch_hca.errors import HCAError, UnsupportedError
 from torch_hca.compiler.dtensor_failures import dtensor_failure
@@ -205,6 +206,7 @@ def lower(gm: fx.GraphModule, example_inputs: list[Any], ctx: PassContext) -> Ca
     """The laid-out DTensor program through AOTAutograd: the backward derived and checked,
     collectives scheduled, forward and backward emitted; the compiled function."""
     report, options = ctx.report, ctx.options
+    report.staged = options.staging == "on" or (options.staging == "auto" and devices_mixed())
 
     def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
         # The backward is checked as traced, then every later change must be an identity.
@@ -221,7 +223,7 @@ def lower(gm: fx.GraphModule, example_inputs: list[Any], ctx: PassContext) -> Ca
             check_forward_collectives(fw, report.uneven)
         report.forward = run_pass(SchedulePass("forward"), fw, ctx)
         _record_collectives(report, fw, "forward")
-        compiled = emit(report.forward, inputs, options.inner)
+        compiled = emit(report.forward, inputs, options.inner, staged=report.staged)
         return _checked_first_run(
             compiled,
             report.schedules["forward"],
@@ -232,7 +234,7 @@ def lower(gm: fx.GraphModule, example_inputs: list[Any], ctx: PassContext) -> Ca
     def backward_compiler(bw: fx.GraphModule, inputs):
         report.backward = run_pass(SchedulePass("backward"), bw, ctx)
         _record_collectives(report, bw, "backward")
-        compiled = emit(report.backward, inputs, options.inner, is_backward=True)
+        compiled = emit(report.backward, inputs, options.inner, is_backward=True, staged=report.staged)
         return _checked_first_run(
             compiled,
             report.schedules["backward"],

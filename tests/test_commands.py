@@ -75,6 +75,7 @@ EXAMPLES = {  # what each example prints on rank 0
     "dp_tp_2d.py": "all_reduce",
     "transformer_block.py": "max gradient relative error",
     "heterogeneous.py": "PASS",
+    "mixed_devices.py": "PASS",
 }
 # `python examples/NAME.py` starts its ranks by `hca.run(main, n)` (checked below), as the README's
 # Use snippet does (run as a script below): each example's `main` runs on the session's n ranks.

@@ -66,6 +66,11 @@ def test_group_size(fake_pg):
     assert tp.group_size(name) == fake_pg.size() == torch.distributed.get_world_size()
 
 
+def test_process_group(fake_pg):
+    group = fake_pg.get_group()
+    assert tp.process_group(group.group_name) is group
+
+
 def test_group_backend(fake_pg):
     assert tp.group_backend(fake_pg.get_group().group_name) == "fake"
 

@@ -161,6 +161,7 @@ def zoo_parity(
     result["implicit"] = [m for g in rep.graphs for m in g.implicit_redistributions]
     result["forward"] = rep.collective_counts("forward")
     result["backward"] = rep.collective_counts("backward")
+    result["collective_bytes"] = sum(c.bytes for c in rep.collectives)  # one call of every graph
     # The strategy this compile decided, as its file holds it, checked by the independent
     # verifier (torch_hca/verify): milliseconds, so every parity case is also a verifier case.
     saved = strategy_file.build(rep)

@@ -29,11 +29,16 @@ def graph_arg_example(placeholder: fx.Node) -> Any:
         return None
 
 
-def group_size(group_name: str) -> int:
-    """Size of the process group a `_c10d_functional` op names."""
+def process_group(group_name: str):
+    """The `ProcessGroup` a `_c10d_functional` op names (its group argument is a name)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return _resolve_process_group(group_name).size()
+    return _resolve_process_group(group_name)
+
+
+def group_size(group_name: str) -> int:
+    """Size of the process group a `_c10d_functional` op names."""
+    return process_group(group_name).size()
 
 
 def group_rank(group_name: str) -> int:
@@ -42,9 +47,7 @@ def group_rank(group_name: str) -> int:
     The ops carry the group by name only; its rank is this rank's coordinate
     along that group (the index of the shard it owns).
     """
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name).rank()
+    return process_group(group_name).rank()
 
 
 def group_backend(group_name: str) -> str:

@@ -72,6 +72,11 @@ class Deployment:
             ):
                 raise MeshError(f"{where}: memory_bytes {cap.memory_bytes!r}; give a positive integer, or None")
 
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Each rank's device, in rank order: ``hca.init_mesh(devices=deployment.devices)``."""
+        return tuple(cap.device for cap in self.ranks)
+
     # ------------------------------------------------------------------ what it decides
 
     def shares(self, rows: int, ranks: Sequence[int] | None = None, min_rows: int = 2) -> tuple[int, ...]:

@@ -13,10 +13,12 @@ from typing import Any
 from torch_hca.spmd.calibration_cache import base_model
 from torch_hca.spmd.cost_model import DEFAULTS, CostModel, backend_for, with_overrides
 from torch_hca.errors import OptionsError
+from torch_hca.runtime.mesh import devices_mixed
 
 INNER = ("eager", "inductor", "dtensor")
 LAYOUT = ("solve", "dtensor", "tune")
 INPUT_CHECKS = ("values", "shapes", "first")  # torch_hca.compiler.checks.agreement
+STAGING = ("auto", "on", "off")  # torch_hca.runtime.staging
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,10 @@ class Options:
     strategy: path of a strategy file (`hca.report(c).save_strategy(path)`, docs/strategy.md):
       the layout pass checks it was made for this model, mesh and world size, then places
       every value as the file says instead of probing and solving (StrategyError on any difference).
+    staging: "auto" (default): on a mesh whose ranks mix CPU and CUDA devices
+      (`hca.init_mesh(deployment=...)`), every collective runs on gloo through bounded, reused
+      host buffers (torch_hca.runtime.staging), elsewhere as emitted; "on": staged on any mesh
+      (how the CPU tests exercise the path); "off": never.
     mode: torch.compile's `mode=`, recorded in the report (not yet acted on).
     """
 
@@ -97,6 +103,7 @@ class Options:
     check: bool = False
     input_check: str = "values"
     strategy: str | None = None
+    staging: str = "auto"
     mode: str | None = None
 
     @classmethod
@@ -120,6 +127,9 @@ class Options:
         input_check = options.get("input_check", "values")
         if input_check not in INPUT_CHECKS:
             raise OptionsError(f"backend 'hca': options['input_check']={input_check!r}; use one of {INPUT_CHECKS}")
+        staging = options.get("staging", "auto")
+        if staging not in STAGING:
+            raise OptionsError(f"backend 'hca': options['staging']={staging!r}; use one of {STAGING}")
         layout = options.get("layout", "solve")
         layout = "dtensor" if layout == "as_written" else layout  # the name users look for; "dtensor" says how
         if layout not in LAYOUT:
@@ -155,6 +165,7 @@ class Options:
             schedule=options.get("schedule", True),
             check=options.get("check", False),
             input_check=input_check,
+            staging=staging,
             mode=mode,
             **numbers,
         )
@@ -166,8 +177,15 @@ class Options:
     def costs_and_source(self, device_type: str) -> tuple[CostModel, str]:
         """The cost model for a mesh on `device_type`: this host's cached calibration, else the
         defaults (`base_model`), with this compile's overrides; and where it came from
-        ("calibrated <when>" or "defaults", + "with overrides of ...")."""
-        base, source = base_model(backend_for(device_type))
+        ("calibrated <when>" or "defaults", + "with overrides of ...").
+
+        On a mesh of mixed devices every rank takes gloo's defaults: each rank solves its own
+        layout, so all must price by the same figures (a host's calibration is its own), and
+        every collective there runs on gloo."""
+        if devices_mixed():
+            base, source = DEFAULTS["gloo"], "defaults for gloo (a mesh of CPU and CUDA ranks)"
+        else:
+            base, source = base_model(backend_for(device_type))
         given = [k for k, _ in self.cost_model]
         if set(given) >= {f.name for f in dataclasses.fields(base)}:
             source = "options['cost_model'] (every figure given)"  # nothing of the base is left

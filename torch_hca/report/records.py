@@ -83,6 +83,7 @@ class GraphReport:
     redistributions: list[Redistribution] = field(default_factory=list)
     implicit_redistributions: list[str] = field(default_factory=list)
     run_replicated: list[str] = field(default_factory=list)  # ops DTensor has no rule for (lift pass)
+    staged: bool = False  # collectives run through host buffers on gloo (option staging)
     random_draws: list[str] = field(default_factory=list)  # "node: aten op" drawing random numbers (lift pass)
     refinement: dict[str, float] | None = None  # option check: relative error of each output and gradient
     refinement_skipped: str | None = None  # option check asked for, and why it did not run

@@ -17,6 +17,7 @@ from torch_hca._torch_private import clear_dtensor_sharding_cache
 from torch_hca.errors import MeshError
 
 _current_mesh: DeviceMesh | None = None
+_mixed = False  # the current mesh's ranks mix device types (init_mesh(devices=...))
 DEFAULT_TIMEOUT_S = 300.0
 # How long a rank waits for its peers (process group, store checks, the launcher's
 # start-up). Set by init_mesh(timeout=...) and, in ranks hca.launch starts, by the launcher.
@@ -26,6 +27,8 @@ _timeout_setting = "hca.init_mesh(timeout=...)"  # where a user raises it: named
 # c10d backend string for each kind of job. A CUDA job also keeps gloo for the
 # CPU tensors that every job has (object collectives, barriers, shape checks).
 _BACKENDS = {"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl"}
+# Ranks of both kinds in one job: every collective on gloo (NCCL cannot reach a CPU rank).
+MIXED_BACKEND = "cpu:gloo,cuda:gloo"
 
 
 def backend_for(device_type: str) -> str:
@@ -83,7 +86,7 @@ def _default_device_type() -> str:
     return "cpu"
 
 
-def _init_process_group(device_type: str) -> None:
+def _init_process_group(device_type: str, backend: str | None = None) -> None:
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise MeshError(
@@ -93,9 +96,9 @@ def _init_process_group(device_type: str) -> None:
             "`torchrun --nproc-per-node n script.py` each rank runs `main`; or call it inside "
             "`hca.launch(fn, world_size)`"
         )
-    if device_type == "cuda":
+    if device_type == "cuda" and backend is None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend_for(device_type), timeout=datetime.timedelta(seconds=_timeout_s))
+    dist.init_process_group(backend or backend_for(device_type), timeout=datetime.timedelta(seconds=_timeout_s))
     # A process that exits with the group alive can abort in gloo's threads
     # ("terminate called without an active exception"): close what we opened.
     atexit.register(_destroy_process_group)
@@ -144,6 +147,7 @@ def init_mesh(
     names: Sequence[str] | None = None,
     *,
     device_type: str | None = None,
+    devices: Sequence[str] | None = None,
     timeout: float | None = None,
 ) -> DeviceMesh:
     """Initialize the process group if needed and return a `DeviceMesh`.
@@ -152,23 +156,36 @@ def init_mesh(
     ("dp", "tp"))`` a 2-D one. The mesh becomes the current mesh that
     `hca.sharded` uses when given none.
 
+    ``devices``: each rank's device, in rank order (``["cuda:0", "cpu"]``, or
+    ``deployment.devices``), for a job whose ranks differ. Ranks of CPU and CUDA
+    devices in one job share one gloo process group (``cpu:gloo,cuda:gloo``) and the
+    compiled programs stage their collectives through host buffers (option
+    ``staging``, docs/heterogeneous.md); each rank's mesh is on its own device.
+
     ``timeout`` (seconds, default 300, or the launcher's ``timeout_s`` inside
     `hca.launch`) is how long a rank waits for its peers: the process group
     this call creates, and every cross-rank check (first-run agreement,
     `hca.collectives`' signature check). It is not a limit on the job's length.
     A process group that already exists keeps the timeout it was created with.
     """
-    global _current_mesh
+    global _current_mesh, _mixed
     if timeout is not None:
         check_timeout(timeout, "init_mesh(timeout=...)")
     shape = _shape(shape)
     names = _names(names, shape)
-    device_type = _device_type(device_type or _default_device_type())
+    if devices is not None and device_type is not None:
+        raise MeshError("init_mesh: give device_type= or devices=, not both (devices= names each rank's device)")
+    mine, mixed = _rank_devices(devices) if devices is not None else (None, False)
+    device_type = mine.type if mine is not None else _device_type(device_type or _default_device_type())
     if timeout is not None:
         set_timeout(timeout)
+    if mine is not None and mine.type == "cuda":
+        torch.cuda.set_device(mine)
     if not dist.is_initialized():
-        _init_process_group(device_type)
+        _init_process_group(device_type, MIXED_BACKEND if mixed else None)
     world = dist.get_world_size()
+    if devices is not None and len(devices) != world:
+        raise MeshError(f"init_mesh: devices= names {len(devices)} ranks, the world has {world}; give one per rank")
     shape = (world,) if shape is None else shape
     if math.prod(shape) != world:
         raise MeshError(
@@ -181,7 +198,38 @@ def init_mesh(
     # place on a mesh dim ("group 5 is no mesh dimension").
     clear_dtensor_sharding_cache()
     _current_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    _mixed = mixed
     return _current_mesh
+
+
+def _rank_devices(devices: Sequence[str]) -> tuple[torch.device, bool]:
+    """This rank's device of `devices` (by the RANK the launcher set, or the process group's),
+    and whether the ranks mix device types."""
+    if isinstance(devices, str) or not isinstance(devices, Sequence) or not devices:
+        raise MeshError(f"init_mesh: devices={devices!r}; give a list of one device per rank, like ['cuda:0', 'cpu']")
+    parsed = []
+    for r, d in enumerate(devices):
+        try:
+            parsed.append(torch.device(d))
+        except (RuntimeError, TypeError):
+            raise MeshError(f"init_mesh: devices[{r}] = {d!r} is not a torch device; write 'cpu' or 'cuda:0'") from None
+        backend_for(parsed[-1].type)  # names an unknown kind
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank >= len(parsed):
+        raise MeshError(f"init_mesh: devices= names {len(parsed)} ranks, and this is rank {rank}; give one per rank")
+    mine = parsed[rank]
+    _device_type(mine.type)  # CUDA asked where there is none
+    if mine.type == "cuda" and (mine.index or 0) >= torch.cuda.device_count():
+        raise MeshError(
+            f"init_mesh: rank {rank} is {mine}, and this machine has {torch.cuda.device_count()} CUDA devices; "
+            f"fix devices[{rank}]"
+        )
+    return mine, len({d.type for d in parsed}) > 1
+
+
+def devices_mixed() -> bool:
+    """Whether the current mesh's ranks mix CPU and CUDA devices (`init_mesh(devices=...)`)."""
+    return _mixed and _current_mesh is not None
 
 
 def timeout_s() -> float:
@@ -203,6 +251,6 @@ def rank_device() -> torch.device:
 
 def reset_current_mesh() -> None:
     """Forget the current mesh (after the process group is destroyed)."""
-    global _current_mesh
-    _current_mesh = None
+    global _current_mesh, _mixed
+    _current_mesh, _mixed = None, False
     clear_dtensor_sharding_cache()
