@@ -102,3 +102,13 @@ def _fake_world(n):
     from dist_cases import fake_world
 
     return fake_world(n)
+
+
+def test_the_report_says_the_collectives_are_staged():
+    with _fake_world(2) as mesh:
+        model = hca.sharded({"0.weight": hca.Shard(0)}, mesh=mesh)(torch.nn.Sequential(torch.nn.Linear(8, 8)))
+        compiled = torch.compile(model, backend="hca", options={"staging": "on"})
+        compiled(torch.randn(4, 8)).sum().backward()
+        rep = hca.report(compiled)
+        assert all(g.staged for g in rep.graphs)
+        assert "collectives staged through host buffers on gloo" in rep.parallelism()

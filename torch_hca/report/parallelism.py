@@ -120,6 +120,8 @@ def sentence(g: Any) -> str:
         if not sharded and share > 0 and g.parameters:
             parts[-1] += ", the replicated parameters' gradients summed over them"
     parts.append(f"moves: {moved}")
+    if getattr(g, "staged", False):
+        parts.append("collectives staged through host buffers on gloo (option staging)")
     if lay.solved:
         predicted = f"predicted {_ms(lay.objective_s)} a step"
         alt = lay.as_written_s
