@@ -58,7 +58,8 @@ def emit(
         # keeps the graph the passes emitted. Its scheduler would wait on each collective
         # right after starting it; the schedule pass placed the waits late, and so must it.
         gm = copy_graph_module(gm)
-        if (stage_collectives(gm) if staged else 0) or _scatter_by_all_reduce(gm):
+        changed = stage_collectives(gm) if staged else 0  # staged first: no reduce_scatter is left after
+        if _scatter_by_all_reduce(gm) or changed:
             gm.recompile()
         # Draws through aten's kernels, as the decompositions were chosen (pipeline.lower).
         random_as_eager = inductor_random_as_eager() if graph_draws(gm) else contextlib.nullcontext()
@@ -78,13 +79,17 @@ def eager_graph(gm: fx.GraphModule, staged: bool = False) -> fx.GraphModule:
     The report keeps the graph as the passes emitted it. `staged`: the collectives staged
     first (`stage_collectives`), so none is left to run in place.
     """
-    if staged:
-        gm = copy_graph_module(gm)
-        stage_collectives(gm)
-        gm.recompile()
-    if not (_scatters_on_gloo(gm) or _skippable_detaches(gm) or _reductions_in_place(gm) or _tied_embedding_sums(gm)):
+    if not (
+        staged
+        or _scatters_on_gloo(gm)
+        or _skippable_detaches(gm)
+        or _reductions_in_place(gm)
+        or _tied_embedding_sums(gm)
+    ):
         return gm
     gm = copy_graph_module(gm)
+    if staged:
+        stage_collectives(gm)
     _scatter_by_all_reduce(gm)
     for node in _skippable_detaches(gm):
         node.replace_all_uses_with(node.args[0])

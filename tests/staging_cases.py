@@ -64,8 +64,8 @@ def zoo_staged(model_name: str, plan_name: str, cap_bytes: int = 4096, extra: di
     """`zoo_cases.zoo_parity` with every collective staged (option staging="on"), plus what went
     through the buffers in the last step and the report's bytes for one step."""
     staging.reset(cap_bytes)
-    options, extra = {**zoo_cases.backend_options(), "staging": "on"}, extra or {}
-    result = zoo_cases.zoo_parity(model_name, plan_name, steps=2, options={**options, **extra})
+    options = {**zoo_cases.backend_options(), "staging": "on", **(extra or {})}
+    result = zoo_cases.zoo_parity(model_name, plan_name, steps=2, options=options)
     stats = staging.stats()
     result["staged"] = dict(stats.collectives)
     result["staged_to_host"], result["allocations"] = stats.bytes_to_host, stats.allocations

@@ -81,7 +81,7 @@ class Options:
       the layout pass checks it was made for this model, mesh and world size, then places
       every value as the file says instead of probing and solving (StrategyError on any difference).
     staging: "auto" (default): on a mesh whose ranks mix CPU and CUDA devices
-      (`hca.init_mesh(deployment=...)`), every collective runs on gloo through bounded, reused
+      (`hca.init_mesh(devices=...)`), every collective runs on gloo through bounded, reused
       host buffers (torch_hca.runtime.staging), elsewhere as emitted; "on": staged on any mesh
       (how the CPU tests exercise the path); "off": never.
     mode: torch.compile's `mode=`, recorded in the report (not yet acted on).

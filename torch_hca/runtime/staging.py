@@ -99,7 +99,7 @@ def _per_slice(dtype: torch.dtype, parts: int) -> int:
     return max(1, _buffers.cap_bytes // (dtype.itemsize * parts))
 
 
-def _run(kind: str, x: Tensor, body) -> Tensor:
+def _run(kind: str, body) -> Tensor:
     start = time.perf_counter()
     out = body()
     _stats.collectives[kind] += 1
@@ -107,20 +107,27 @@ def _run(kind: str, x: Tensor, body) -> Tensor:
     return out
 
 
-def _all_reduce(x: Tensor, reduce_op: str, group_name: str) -> Tensor:
-    if reduce_op not in _REDUCE_OPS:
-        raise UnsupportedError(f"staging: all_reduce with reduce op {reduce_op!r}; staged are {sorted(_REDUCE_OPS)}")
-    group = process_group(group_name)
+def _through_slices(x: Tensor, collective) -> Tensor:
+    """`collective(piece)` on each slice of `x` copied into the send buffer, in place there, and
+    the slices copied back: for the collectives whose result is `x`'s shape, element by element."""
     flat, out = x.contiguous().view(-1), torch.empty_like(x, memory_format=torch.contiguous_format)
     flat_out = out.view(-1)
     send, _ = _buffers.pair(_stats)
     for a, b in _slices(flat.numel(), _per_slice(x.dtype, 1)):
         piece = _typed(send, x.dtype, b - a)
         piece.copy_(flat[a:b])
-        dist.all_reduce(piece, _REDUCE_OPS[reduce_op], group=group)
+        collective(piece)
         flat_out[a:b].copy_(piece)
     _stats.bytes_to_host += flat.numel() * x.dtype.itemsize
     _stats.bytes_from_host += flat.numel() * x.dtype.itemsize
+    return out
+
+
+def _all_reduce(x: Tensor, reduce_op: str, group_name: str) -> Tensor:
+    if reduce_op not in _REDUCE_OPS:
+        raise UnsupportedError(f"staging: all_reduce with reduce op {reduce_op!r}; staged are {sorted(_REDUCE_OPS)}")
+    group = process_group(group_name)
+    out = _through_slices(x, lambda piece: dist.all_reduce(piece, _REDUCE_OPS[reduce_op], group=group))
     return out.div_(group.size()) if reduce_op == "avg" else out
 
 
@@ -153,16 +160,7 @@ def _reduce_scatter(x: Tensor, reduce_op: str, group_size: int, group_name: str)
 
 def _broadcast(x: Tensor, src: int, group_name: str) -> Tensor:
     group = process_group(group_name)
-    flat, out = x.contiguous().view(-1), torch.empty_like(x, memory_format=torch.contiguous_format)
-    send, _ = _buffers.pair(_stats)
-    for a, b in _slices(flat.numel(), _per_slice(x.dtype, 1)):
-        piece = _typed(send, x.dtype, b - a)
-        piece.copy_(flat[a:b])
-        dist.broadcast(piece, group_src=src, group=group)
-        out.view(-1)[a:b].copy_(piece)
-    _stats.bytes_to_host += flat.numel() * x.dtype.itemsize
-    _stats.bytes_from_host += flat.numel() * x.dtype.itemsize
-    return out
+    return _through_slices(x, lambda piece: dist.broadcast(piece, group_src=src, group=group))
 
 
 def _all_to_all(x: Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group_name: str) -> Tensor:
@@ -194,29 +192,29 @@ def _all_to_all(x: Tensor, output_split_sizes: list[int], input_split_sizes: lis
 
 @torch.library.custom_op("hca::staged_all_reduce", mutates_args=())
 def staged_all_reduce(x: Tensor, reduce_op: str, group_name: str) -> Tensor:
-    return _run("all_reduce", x, lambda: _all_reduce(x, reduce_op, group_name))
+    return _run("all_reduce", lambda: _all_reduce(x, reduce_op, group_name))
 
 
 @torch.library.custom_op("hca::staged_all_gather", mutates_args=())
 def staged_all_gather(x: Tensor, group_size: int, group_name: str) -> Tensor:
-    return _run("all_gather", x, lambda: _all_gather(x, group_size, group_name))
+    return _run("all_gather", lambda: _all_gather(x, group_size, group_name))
 
 
 @torch.library.custom_op("hca::staged_reduce_scatter", mutates_args=())
 def staged_reduce_scatter(x: Tensor, reduce_op: str, group_size: int, group_name: str) -> Tensor:
-    return _run("reduce_scatter", x, lambda: _reduce_scatter(x, reduce_op, group_size, group_name))
+    return _run("reduce_scatter", lambda: _reduce_scatter(x, reduce_op, group_size, group_name))
 
 
 @torch.library.custom_op("hca::staged_broadcast", mutates_args=())
 def staged_broadcast(x: Tensor, src: int, group_name: str) -> Tensor:
-    return _run("broadcast", x, lambda: _broadcast(x, src, group_name))
+    return _run("broadcast", lambda: _broadcast(x, src, group_name))
 
 
 @torch.library.custom_op("hca::staged_all_to_all", mutates_args=())
 def staged_all_to_all(
     x: Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group_name: str
 ) -> Tensor:
-    return _run("all_to_all", x, lambda: _all_to_all(x, output_split_sizes, input_split_sizes, group_name))
+    return _run("all_to_all", lambda: _all_to_all(x, output_split_sizes, input_split_sizes, group_name))
 
 
 @staged_all_reduce.register_fake
