@@ -80,3 +80,31 @@ def test_resuming_from_a_checkpoint_continues_as_if_never_stopped(worlds):
     }
     for name, pattern in expected.items():
         assert re.match(pattern, found[name]), (name, found[name])
+
+
+def test_resuming_at_another_world_size_continues_the_run(worlds):
+    """The 2-rank run's checkpoint-2 resumed by 4 ranks of one row each (the same 4 rows a step),
+    reshard=True: steps 3 and 4 train on the uninterrupted run's global batches to its parameters
+    and losses. Without reshard, or with another number of rows a step, it is refused by name."""
+    run = worlds(2).run(trainer_cases.checkpoint_for_another_world, {})[0]
+    results = worlds(4).run(trainer_cases.resume_at_another_world, run)
+    for r in results:
+        assert r["step"] == trainer_cases.STEPS, r
+        assert r["global_batches"] == run["global_batches"][trainer_cases.SAVE_AT :], (r, run["global_batches"])
+        assert r["param_err"] <= TOL, r
+        # The log history: steps 1 and 2 restored from trainer_state.json, 3 and 4 logged by this world.
+        assert len(r["logged"]) == trainer_cases.STEPS, r
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["logged"], run["logged"])) <= TOL, (r, run["logged"])
+        assert r["collectives"] == {"all_gather": 1}, r  # the 4-rank program, as the 2-rank run's
+    found = results[0]["refused"]
+    assert all(r["refused"] == found for r in results), results
+    assert re.match(
+        r"CheckpointError: hca.Trainer: .* was written by 2 ranks and this run has 4; resume it with 2 ranks, or "
+        r"pass hca.Trainer\(..., reshard=True\)",
+        found["no reshard"],
+    ), found
+    assert re.match(
+        r"CheckpointError: hca.Trainer: .*'s steps took 4 rows each \(2 ranks\) and this run's take 8 \(4 ranks x "
+        r"per_device_train_batch_size x gradient_accumulation_steps\).*so that a step takes 4 rows",
+        found["other rows"],
+    ), found

@@ -203,12 +203,12 @@ def train_like_one_device(hca_options: dict) -> dict[str, Any]:
     }
 
 
-def _resuming_trainer(run: dict, plan: dict, collator=None, **trainer_options):
+def _resuming_trainer(run: dict, plan: dict, collator=None, rows: int = ROWS, **trainer_options):
     mesh = hca.init_mesh()
     model = hca.sharded(plan, mesh=mesh, inputs=Shard(0), outputs=Shard(0), loss_reduction="mean")(_gpt2())
     return hca.Trainer(
         model=model,
-        args=_args(_shared_dir()),
+        args=_args(_shared_dir(), per_device_train_batch_size=rows),
         train_dataset=_Rows(run["ids"]),
         data_collator=collator or _RecordingCollator(),
         **trainer_options,
@@ -334,3 +334,44 @@ def refusals() -> dict[str, str]:
     finally:
         torch.set_num_threads(threads)
     return found
+
+
+def checkpoint_for_another_world(hca_options: dict) -> dict[str, Any] | None:
+    """Rank 0: what a resume at another world size needs of the uninterrupted run and its checkpoint."""
+    run = _uninterrupted(hca_options)
+    if dist.get_rank() != 0:
+        return None
+    keep = ("ids", "params", "logged", "global_batches")
+    return {"checkpoint": os.path.join(run["out"], f"checkpoint-{SAVE_AT}"), **{k: run[k] for k in keep}}
+
+
+def resume_at_another_world(run: dict[str, Any]) -> dict[str, Any]:
+    """checkpoint-SAVE_AT of the 2-rank run resumed by this world (4 ranks, one row each: the same rows
+    a step), resharded, to STEPS; then the refusals: no reshard, and another number of rows a step."""
+    torch._dynamo.reset()
+    threads = torch.get_num_threads()
+    rows = ROWS * 2 // dist.get_world_size()
+    collator = _RecordingCollator()
+    try:
+        trainer = _resuming_trainer(run, {}, collator, reshard=True, rows=rows)
+        trainer.train(resume_from_checkpoint=run["checkpoint"])
+        params = {n: p.full_tensor().detach().clone() for n, p in trainer.model.named_parameters()}
+        logged, step = _logged(trainer), trainer.state.global_step
+        collectives = hca.report(trainer.model).collective_counts()
+        refused = {
+            "no reshard": _refused(_resuming_trainer(run, {}, rows=rows), run["checkpoint"]),
+            "other rows": _refused(_resuming_trainer(run, {}, reshard=True, rows=ROWS), run["checkpoint"]),
+        }
+    finally:
+        torch.set_num_threads(threads)
+    mine = collator.batches[: STEPS - SAVE_AT]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {
+        "global_batches": [sum((e[k] for e in everyone), []) for k in range(len(mine))],
+        "param_err": max(_rel(p, run["params"][n]) for n, p in params.items()),
+        "logged": logged,
+        "step": step,
+        "collectives": collectives,
+        "refused": refused,
+    }

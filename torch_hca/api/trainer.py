@@ -24,7 +24,8 @@ A subclass, changing five things and patching nothing:
   DTensors; the subclass's ``_save_optimizer_and_scheduler`` writes the parameters' and the
   optimizer's pieces with `hca.save` instead (every rank enters it), and its
   ``_load_from_checkpoint`` / ``_load_optimizer_and_scheduler`` read them back with `hca.load`
-  (torch_hca/api/trainer_checkpoint.py). Trainer's own RNG files and trainer state are kept.
+  (torch_hca/api/trainer_checkpoint.py). Trainer's own RNG files and trainer state are kept
+  (resumed at another world size, every rank takes rank 0's generators).
 
 transformers is imported here, and this module only when ``hca.Trainer`` is first used.
 """
@@ -102,8 +103,9 @@ class Trainer(transformers.Trainer):
     """``transformers.Trainer`` for an `hca.sharded` model: no DDP, forward compiled with ``backend="hca"``.
 
     ``hca_options`` is passed to ``torch.compile(..., options=)`` (docs/api.md, backend options).
-    ``reshard=True`` resumes a checkpoint written under another plan on the same number of ranks:
-    `hca.load` moves the parameters' and the optimizer's pieces to this model's layout.
+    ``reshard=True`` resumes a checkpoint written under another plan or by another number of ranks
+    (with as many rows a step): `hca.load` moves the parameters' and the optimizer's pieces to
+    this model's layout and world.
     Every rank constructs it and calls ``train()`` (``resume_from_checkpoint=`` one of its checkpoints
     included), ``evaluate()`` and ``save_model()``.
     """
@@ -156,11 +158,15 @@ class Trainer(transformers.Trainer):
         trainer_checkpoint.save_state(self, output_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        trainer_checkpoint.load_model(self.model if model is None else model, resume_from_checkpoint, self.hca_reshard)
+        trainer_checkpoint.load_model(self, self.model if model is None else model, resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is not None:
-            trainer_checkpoint.load_state(self, checkpoint, self.hca_reshard)
+            trainer_checkpoint.load_state(self, checkpoint)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if checkpoint is not None:
+            trainer_checkpoint.load_rng_state(self, checkpoint, super()._load_rng_state)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         super()._save(output_dir, state_dict=state_dict)

@@ -6,6 +6,7 @@
       hca_state/LATEST, v00000001/     hca.save(model, optimizer): every rank's pieces of the
                                        parameters and of the optimizer's state (momentum, moments)
       scheduler.pt                     the LR scheduler's state (plain numbers; rank 0 writes)
+      hca_trainer.json                 the world size and the rows of one optimizer step (rank 0)
       rng_state_<rank>.pth             each rank's generators (Trainer's own)
       trainer_state.json               the step, the log history (Trainer's own; rank 0 writes)
 
@@ -13,11 +14,19 @@ Trainer writes its files one after another and publishes nothing; ``hca_state`` 
 atomically (docs/checkpoints.md). Resuming checks, before reading any tensor, that the
 checkpoint is whole and was written by this many ranks under this plan, then loads the
 parameters and the optimizer's state with `hca.load` (every rank its own pieces, no gather).
+
+With ``reshard`` a checkpoint of another world size resumes too, if one optimizer step takes as
+many rows (per-device rows x ranks x accumulation): Trainer then skips the batches already
+trained and the global batches go on as before, and every rank takes rank 0's generators (under
+torch_hca every rank's generators agree: torch_hca/compiler/randomness.py).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +37,7 @@ from torch_hca.api.checkpoint import CheckpointError, _describe, _find, _layout_
 HCA_STATE = "hca_state"
 SCHEDULER = "scheduler.pt"  # transformers' SCHEDULER_NAME
 TRAINER_STATE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME
+RUN = "hca_trainer.json"  # the world size and the rows of one optimizer step
 
 
 def _optimizer(trainer: Any) -> torch.optim.Optimizer:
@@ -35,11 +45,23 @@ def _optimizer(trainer: Any) -> torch.optim.Optimizer:
     return getattr(trainer.optimizer, "optimizer", trainer.optimizer)
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rows_per_step(args: Any) -> int:
+    """The rows one optimizer step trains on, over all ranks."""
+    return args.per_device_train_batch_size * _world() * args.gradient_accumulation_steps
+
+
 def save_state(trainer: Any, output_dir: str) -> None:
-    """Every rank: the parameters' and optimizer's pieces (hca.save); rank 0: the scheduler's state."""
+    """Every rank: the parameters' and optimizer's pieces (hca.save); rank 0: the scheduler's state
+    and the run's shape (what a resume at another world size checks)."""
     save(trainer.model, _optimizer(trainer), os.path.join(output_dir, HCA_STATE), keep=1)
     if trainer.args.should_save:
         torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER))
+        with open(os.path.join(output_dir, RUN), "w") as f:
+            json.dump({"world_size": _world(), "rows_per_step": rows_per_step(trainer.args)}, f)
 
 
 def _from_weights(model: Any, checkpoint: str) -> str:
@@ -50,7 +72,34 @@ def _from_weights(model: Any, checkpoint: str) -> str:
     )
 
 
-def _whole(checkpoint: str, world: int, what: str, start_over: str) -> dict:
+def _other_world(checkpoint: str, saved_world: int, rows: int, reshard: bool, what: str, start_over: str) -> None:
+    """A checkpoint of `saved_world` ranks resumes on this world only resharded and with the same
+    rows a step, so that the batches Trainer skips are the ones already trained."""
+    world = _world()
+    if not reshard:
+        raise CheckpointError(
+            f"{what}: {checkpoint} was written by {saved_world} ranks and this run has {world}; resume it "
+            f"with {saved_world} ranks, or pass hca.Trainer(..., reshard=True) to load each rank's pieces of "
+            f"the state into this world, {start_over}"
+        )
+    path = os.path.join(checkpoint, RUN)
+    if not os.path.isfile(path):
+        raise CheckpointError(
+            f"{what}: {checkpoint} has no {RUN} (written by an earlier torch_hca), so the rows of its steps are "
+            f"unknown; resume it with {saved_world} ranks, {start_over}"
+        )
+    with open(path) as f:
+        saved_rows = json.load(f)["rows_per_step"]
+    if saved_rows != rows:
+        raise CheckpointError(
+            f"{what}: {checkpoint}'s steps took {saved_rows} rows each ({saved_world} ranks) and this run's take "
+            f"{rows} ({world} ranks x per_device_train_batch_size x gradient_accumulation_steps); Trainer would "
+            f"skip the wrong batches: set per_device_train_batch_size (or the accumulation) so that a step takes "
+            f"{saved_rows} rows, {start_over}"
+        )
+
+
+def _whole(checkpoint: str, rows: int, reshard: bool, what: str, start_over: str) -> dict:
     """Rank 0: the published hca_state and its manifest, and Trainer's own files, all present."""
     if not os.path.isdir(os.path.join(checkpoint, HCA_STATE)):
         raise CheckpointError(
@@ -60,13 +109,9 @@ def _whole(checkpoint: str, world: int, what: str, start_over: str) -> dict:
         )
     found = _find(os.path.join(checkpoint, HCA_STATE), what)
     saved_world = found["manifest"]["world_size"]
-    if saved_world != world:
-        raise CheckpointError(
-            f"{what}: {checkpoint} was written by {saved_world} ranks and this run has {world}; resume it "
-            f"with {saved_world} ranks (each rank's batches, generators and pieces of the state are its own), "
-            + start_over
-        )
-    rng = ["rng_state.pth"] if world <= 1 else [f"rng_state_{r}.pth" for r in range(world)]
+    if saved_world != _world():
+        _other_world(checkpoint, saved_world, rows, reshard, what, start_over)
+    rng = ["rng_state.pth"] if saved_world <= 1 else [f"rng_state_{r}.pth" for r in range(saved_world)]
     missing = [f for f in (TRAINER_STATE, SCHEDULER, *rng) if not os.path.isfile(os.path.join(checkpoint, f))]
     if missing:
         raise CheckpointError(
@@ -87,26 +132,45 @@ def _check_plan(model: Any, manifest: dict, what: str, start_over: str) -> None:
             )
 
 
-def resumable_state(model: Any, checkpoint: str, reshard: bool = False) -> str:
-    """The checkpoint's hca_state version to load, checked against this world and (unless `reshard`:
-    hca.load moves the pieces to this plan's layout) this model's plan."""
+def resumable_state(model: Any, checkpoint: str, rows: int, reshard: bool = False) -> dict:
+    """The checkpoint's hca_state (its directory and manifest), checked against this world, the
+    rows of a step and (unless `reshard`: hca.load moves the pieces to this plan's layout) this
+    model's plan."""
     what = f"hca.Trainer: resume_from_checkpoint={checkpoint!r}"
-    world = dist.get_world_size() if dist.is_initialized() else 1
     start_over = _from_weights(model, checkpoint)
-    found = on_rank0(lambda: _whole(checkpoint, world, what, start_over), what)
+    found = on_rank0(lambda: _whole(checkpoint, rows, reshard, what, start_over), what)
     if not reshard:
         into_this_plan = "or pass hca.Trainer(..., reshard=True) to load it into this plan's layout, "
         _check_plan(model, found["manifest"], what, into_this_plan + start_over)
-    return found["dir"]
+    return found
 
 
-def load_model(model: Any, checkpoint: str, reshard: bool = False) -> None:
+def load_model(trainer: Any, model: Any, checkpoint: str) -> None:
     """Every rank: the parameters, each rank its own pieces, from the checkpoint's hca_state."""
-    load(model, None, resumable_state(model, checkpoint, reshard), reshard=reshard)
+    found = resumable_state(model, checkpoint, rows_per_step(trainer.args), trainer.hca_reshard)
+    trainer.hca_saved_world = found["manifest"]["world_size"]
+    load(model, None, found["dir"], reshard=trainer.hca_reshard)
 
 
-def load_state(trainer: Any, checkpoint: str, reshard: bool = False) -> None:
+def load_state(trainer: Any, checkpoint: str) -> None:
     """Every rank: the parameters and the optimizer's state (hca.load), then the scheduler's."""
-    load(trainer.model, _optimizer(trainer), resumable_state(trainer.model, checkpoint, reshard), reshard=reshard)
+    found = resumable_state(trainer.model, checkpoint, rows_per_step(trainer.args), trainer.hca_reshard)
+    trainer.hca_saved_world = found["manifest"]["world_size"]
+    load(trainer.model, _optimizer(trainer), found["dir"], reshard=trainer.hca_reshard)
     scheduler = torch.load(os.path.join(checkpoint, SCHEDULER), map_location="cpu", weights_only=True)
     trainer.lr_scheduler.load_state_dict(scheduler)
+
+
+def load_rng_state(trainer: Any, checkpoint: str, load_own: Callable[[str], None]) -> None:
+    """Each rank's generators: its own file (`load_own`, Trainer's reader), or rank 0's where the
+    checkpoint is of another world size (a new rank has no file; under torch_hca every rank's agree)."""
+    saved = getattr(trainer, "hca_saved_world", _world())
+    if saved == _world():
+        load_own(checkpoint)
+        return
+    with tempfile.TemporaryDirectory(prefix="hca_rng_") as view:
+        # Trainer reads rng_state_<this rank>.pth: show it rank 0's under that name.
+        name = "rng_state.pth" if _world() <= 1 else f"rng_state_{dist.get_rank()}.pth"
+        source = "rng_state.pth" if saved <= 1 else "rng_state_0.pth"
+        os.symlink(os.path.abspath(os.path.join(checkpoint, source)), os.path.join(view, name))
+        load_own(view)
