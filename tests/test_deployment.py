@@ -18,23 +18,41 @@ import uneven_cases
 TOL = 1e-5
 
 
-def _brute_best(speeds, total, min_rows):
+def _slowest(rows, speeds, fixed):
+    return max(f + r / s for r, s, f in zip(rows, speeds, fixed))
+
+
+def _brute_best(speeds, total, min_rows, fixed):
     """The least slowest-rank time over every split of `total` rows, each rank at least `min_rows`."""
     n = len(speeds)
     splits = (r for r in itertools.product(range(min_rows, total + 1), repeat=n) if sum(r) == total)
-    return min(max(r / s for r, s in zip(rows, speeds)) for rows in splits)
+    return min(_slowest(rows, speeds, fixed) for rows in splits)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     speeds=st.lists(st.integers(1, 6), min_size=2, max_size=3),
     total=st.integers(6, 16),
     min_rows=st.integers(1, 2),
+    fixed=st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.5, 4.0]), min_size=3, max_size=3),
+    with_fixed=st.booleans(),
 )
-def test_rows_by_speed_is_the_split_whose_slowest_rank_finishes_first(speeds, total, min_rows):
-    rows = rows_by_speed(speeds, total, min_rows)
+def test_rows_by_speed_is_the_split_whose_slowest_rank_finishes_first(speeds, total, min_rows, fixed, with_fixed):
+    fixed = fixed[: len(speeds)] if with_fixed else None
+    rows = rows_by_speed(speeds, total, min_rows, fixed)
+    times = fixed or [0.0] * len(speeds)
     assert sum(rows) == total and min(rows) >= min_rows
-    assert max(r / s for r, s in zip(rows, speeds)) == pytest.approx(_brute_best(speeds, total, min_rows))
+    assert _slowest(rows, speeds, times) == pytest.approx(_brute_best(speeds, total, min_rows, times))
+
+
+def test_a_rank_with_a_fixed_time_gets_fewer_rows():
+    """Equal speeds, rank 1 paying 4 row-times a step whatever its rows: 14 + 0 = 10 + 4."""
+    assert rows_by_speed((1, 1), 24, fixed=(0, 4)) == (14, 10)
+    # Rank 1 half as fast, its fixed part slowed as its rows are: fewer than the third of speeds alone.
+    assert rows_by_speed((2, 1), 24) == (16, 8)
+    assert rows_by_speed((2, 1), 24, fixed=(1, 2)) == (17, 7)
+    with pytest.raises(hca.PlacementError, match="fixed=.*one finite time >= 0 per rank"):
+        rows_by_speed((1, 1), 8, fixed=(0, -1))
 
 
 def test_rows_by_speed_gives_the_slow_rank_its_part():
@@ -61,24 +79,40 @@ def _two(speed1=1.0, device1="cpu"):
 def test_a_deployment_round_trips_through_its_file(tmp_path):
     dep = _two()
     data = dep.save(tmp_path / "d.json")
-    assert data["schema"] == "torch_hca.deployment" and data["version"] == 1
-    assert data["ranks"][0] == {"rank": 0, "device": "cpu", "speed": 2.0, "memory_bytes": 8 << 30}
+    assert data["schema"] == "torch_hca.deployment" and data["version"] == 2
+    assert data["ranks"][0] == {"rank": 0, "device": "cpu", "speed": 2.0, "memory_bytes": 8 << 30, "fixed_s": 0.0}
     assert hca.Deployment.load(tmp_path / "d.json") == dep
     assert dep.shares(24) == (16, 8) and dep.shares(12, ranks=[1, 0]) == (4, 8)
+    # A version 1 file (no fixed_s) reads as fixed_s 0.
+    old = {**data, "version": 1, "ranks": [{k: v for k, v in e.items() if k != "fixed_s"} for e in data["ranks"]]}
+    assert hca.Deployment.from_dict(old) == dep
+
+
+def test_a_fixed_time_per_rank_round_trips_and_decides_the_rows(tmp_path):
+    caps = (hca.RankCapacity("cpu", 2.0, None, 0.001), hca.RankCapacity("cpu", 1.0, None, 0.002))
+    dep = hca.Deployment(caps, "rows/s")
+    dep.save(tmp_path / "d.json")
+    assert hca.Deployment.load(tmp_path / "d.json") == dep
+    assert dep.shares(24) == (16, 8)  # 1 ms against rows of 0.5 s and 1 s: the fixed part is too small to move a row
+    slow_fixed = hca.Deployment((caps[0], hca.RankCapacity("cpu", 1.0, None, 2.0)), "rows/s")
+    assert slow_fixed.shares(24) == (17, 7) and slow_fixed.step_s((17, 7)) == (8.501, 9.0)
+    with pytest.raises(hca.MeshError, match="rank 1: fixed_s 2.0 with speeds in 'GFLOP/s'.*unit='rows/s'"):
+        hca.Deployment((hca.RankCapacity("cpu", 2.0), hca.RankCapacity("cpu", 1.0, None, 2.0)), "GFLOP/s")
 
 
 @pytest.mark.parametrize(
     "edit,error",
     [
-        (lambda d: d.update(version=2), "version 2"),
+        (lambda d: d.update(version=3), "version 3"),
         (lambda d: d.update(schema="other"), "not a torch_hca deployment"),
         (lambda d: d["ranks"].reverse(), "ranks 0, 1, ... in order"),
         (lambda d: d["ranks"][1].pop("speed"), "lacks 'speed'"),
         (lambda d: d["ranks"][1].update(speed=-1), "rank 1: speed -1"),
         (lambda d: d["ranks"][1].update(device="tpu:x"), "rank 1: device 'tpu:x' is not a torch device"),
         (lambda d: d["ranks"][0].update(memory_bytes=0), "rank 0: memory_bytes 0"),
+        (lambda d: d["ranks"][0].update(fixed_s=-1), "rank 0: fixed_s -1"),
     ],
-    ids=["version", "schema", "order", "no-speed", "speed", "device", "memory"],
+    ids=["version", "schema", "order", "no-speed", "speed", "device", "memory", "fixed"],
 )
 def test_a_bad_deployment_file_is_a_named_error(tmp_path, edit, error):
     data = _two().to_dict()
@@ -116,6 +150,13 @@ def test_measured_on_the_ranks_and_the_batch_cut_by_it_trains_as_one_device(worl
     assert 1.6 < ratio < 2.4, ratio
     shares = dep.shares(12)
     assert shares == (8, 4), (shares, ratio)
+    # Timed at two batch sizes: each rank's fixed part and rows per second, the line through them.
+    line = hca.Deployment.from_dict(worlds(2).run(uneven_cases.measured_line, 0.01)[0])
+    assert line.unit == "rows/s", line
+    for r, cap in enumerate(line.ranks):  # rank r: (1 + r) x (10 ms + 1 ms a row)
+        assert cap.fixed_s == pytest.approx(0.01 * (1 + r), rel=0.3) and cap.speed == pytest.approx(
+            1e3 / (1 + r), rel=0.3
+        )
     for r in worlds(2).run(uneven_cases.dp_by_shares, "deep_mlp", shares, 12):
         assert max(r["out_err"], *r["grad_errs"].values(), *r["param_errs"].values()) <= TOL, r
         # Data parallelism by shares: nothing moves forward; the backward sums gradients (all-reduces).

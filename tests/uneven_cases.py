@@ -235,6 +235,17 @@ def measured_deployment(delay_s: float) -> dict:
     return dep.to_dict()
 
 
+def measured_line(delay_s: float) -> dict:
+    """`hca.Deployment.measure(step, rows=(4, 12))` with a step on n rows that sleeps (1 + rank) x
+    (`delay_s` + n x `delay_s` / 10): rank r's fixed part (1 + r) x `delay_s`, its rows per second
+    10 / ((1 + r) x `delay_s`)."""
+    import time
+
+    slow = 1 + dist.get_rank()
+    dep = hca.Deployment.measure(step=lambda n: time.sleep(slow * delay_s * (1 + n / 10)), rounds=3, rows=(4, 12))
+    return dep.to_dict()
+
+
 def strategy_by_shares(shares: tuple[int, ...], batch: int, other: tuple[int, ...]) -> dict:
     """`MeanInside` cut by `shares`: its strategy file saved on this rank, then loaded by a fresh
     compile of the same model (loss and gradients against one device); and the file given to a

@@ -131,18 +131,24 @@ def read_share_text(text: str) -> tuple[str, tuple[int, ...] | None]:
 # ----------------------------------------------------------------------------- shares from speeds
 
 
-def rows_by_speed(speeds, total: int, min_rows: int = 2) -> tuple[int, ...]:
+def rows_by_speed(speeds, total: int, min_rows: int = 2, fixed=None) -> tuple[int, ...]:
     """Each rank's rows of `total` rows for ranks of relative `speeds`: the split whose slowest
-    rank, ``max(rows[i] / speeds[i])``, finishes first, every rank holding at least `min_rows`.
+    rank, ``max(fixed[i] + rows[i] / speeds[i])``, finishes first, every rank holding at least
+    `min_rows`. ``fixed``: each rank's time a step costs it whatever its rows (default 0, in the
+    unit of ``rows / speeds``): a slow rank pays its fixed part slowly too, so it gets fewer rows.
 
     Water-filling: from `min_rows` each, every further row goes to the rank that would finish it
-    soonest, ``(rows[i] + 1) / speeds[i]`` (ties to the faster rank, then the lower index). Adding
-    rows one at a time to the least-loaded rank minimises the largest load (the rows are unit
-    jobs). The rows are exact shares: ``Shard(d, shares=rows)`` cuts `total` into them.
+    soonest, ``fixed[i] + (rows[i] + 1) / speeds[i]`` (ties to the faster rank, then the lower
+    index). Each rank's time grows with its rows, so adding rows one at a time to the rank that
+    ends soonest minimises the largest time. The rows are exact shares: ``Shard(d, shares=rows)``
+    cuts `total` into them.
     """
     speeds = tuple(float(s) for s in speeds)
     if not speeds or not all(math.isfinite(s) and s > 0 for s in speeds):
         raise PlacementError(f"rows_by_speed: speeds={speeds}; give one positive, finite speed per rank")
+    fixed = (0.0,) * len(speeds) if fixed is None else tuple(float(f) for f in fixed)
+    if len(fixed) != len(speeds) or not all(math.isfinite(f) and f >= 0 for f in fixed):
+        raise PlacementError(f"rows_by_speed: fixed={fixed}; give one finite time >= 0 per rank of speeds={speeds}")
     if min_rows < 1 or total < min_rows * len(speeds):
         raise PlacementError(
             f"rows_by_speed: {total} rows cannot give each of {len(speeds)} ranks at least {min_rows}; "
@@ -150,6 +156,6 @@ def rows_by_speed(speeds, total: int, min_rows: int = 2) -> tuple[int, ...]:
         )
     rows = [min_rows] * len(speeds)
     for _ in range(total - min_rows * len(speeds)):
-        i = min(range(len(speeds)), key=lambda i: ((rows[i] + 1) / speeds[i], -speeds[i], i))
+        i = min(range(len(speeds)), key=lambda i: (fixed[i] + (rows[i] + 1) / speeds[i], -speeds[i], i))
         rows[i] += 1
     return tuple(rows)

@@ -21,8 +21,9 @@ that the timed part runs in one stretch), four contestants take the same trainin
 - ``even``: `hca.sharded({}, inputs=Shard(0), outputs=Shard(0), loss_reduction="mean")`,
   half the rows each;
 - ``shares``: the batch cut by the shares of a deployment measured on the ranks
-  (`hca.Deployment.measure` timing each rank's ``whole_k`` step at once, then
-  `Deployment.shares`: the split whose slowest rank finishes first), with
+  (`hca.Deployment.measure` timing each rank's ``whole_k`` step on the whole batch and on half
+  of it, at once: a fixed part and rows per second per rank; then `Deployment.shares`: the
+  split whose slowest rank finishes first), with
   `hca.Shard(0, shares=...)`. `pick_shares`, the split balanced for the k asked, is printed
   beside it for reference.
 
@@ -47,6 +48,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from torch_hca.spmd.shares import rows_by_speed
 
 from .bench_hetero_tables import FAST, SLOW, breakdown, breakdown_table, goals, summarize, table
 from .progress import Progress
@@ -160,14 +163,27 @@ def _contestants(cfg: HeteroConfig, ref: nn.Module, mesh, rank: int) -> dict:
 
 def _measured_shares(cfg: HeteroConfig, whole_k: _Contestant, batches: list, k_here: float) -> dict:
     """The rows a deployment measured on the ranks gives each: every rank times its whole-batch
-    step at its own speed (rank 1 slowed), at once; the split whose slowest rank finishes first."""
+    step at its own speed (rank 1 slowed), at once, on the whole batch and on half of it; the line
+    through the two (a fixed part and rows per second); the split whose slowest rank finishes first."""
     from torch_hca.api.deployment import Deployment
 
     x, y = batches[0]
-    dep = Deployment.measure(step=lambda: whole_k.step(x, y, k_here), rounds=MEASURE_ROUNDS)
+    half = cfg.batch // 2
+    # Its own contestant (the same compiled copy): the sleep follows the CPU times of its own size.
+    halves = _Contestant("whole_k", whole_k.model, whole_k.run, (half - half // 2, half // 2), dist.get_rank())
+    by_rows = {cfg.batch: whole_k, half: halves}
+    dep = Deployment.measure(
+        step=lambda n: by_rows[n].step(x, y, k_here), rounds=MEASURE_ROUNDS, rows=(half, cfg.batch)
+    )
     rows = dep.shares(cfg.batch)
     g = math.gcd(*rows)
-    return {"shares": tuple(r // g for r in rows), "rows": rows, "speeds": [r.speed for r in dep.ranks]}
+    return {
+        "shares": tuple(r // g for r in rows),
+        "rows": rows,
+        "speeds": [r.speed for r in dep.ranks],
+        "fixed_s": [r.fixed_s for r in dep.ranks],
+        "rows_by_speeds_alone": rows_by_speed([r.speed for r in dep.ranks], cfg.batch),
+    }
 
 
 def _by_shares(cfg: HeteroConfig, ref: nn.Module, mesh, rank: int, shares: tuple, rows: tuple) -> _Contestant:
@@ -285,12 +301,18 @@ def main(json_path: str | None = None, tiny: bool = False, rounds: int | None = 
     parts = [p for k in cfg.ks for p in breakdown(k, by_contestant(k))]
     after = os.getloadavg()
     print(table(rows))
-    print("\nshares from the deployment measured on the ranks (each rank's whole-batch step, at once):")
+    print(
+        "\nshares from the deployment measured on the ranks (each rank's step on the whole batch and on half "
+        "of it, at once: a fixed part and rows per second):"
+    )
     for k in cfg.ks:
-        speeds, hand = picked[k]["speeds"], pick_shares(k, cfg.batch)[1]
+        p, hand = picked[k], pick_shares(k, cfg.batch)[1]
+        speeds, fixed = p["speeds"], p["fixed_s"]
         print(
-            f"k={k:g}: speeds {speeds[FAST]:.2f} : {speeds[SLOW]:.2f} steps/s (k measured {speeds[FAST] / speeds[SLOW]:.2f})"
-            f" -> rows {':'.join(map(str, picked[k]['rows']))}; balanced for the k asked: {':'.join(map(str, hand))}"
+            f"k={k:g}: {speeds[FAST]:.0f} : {speeds[SLOW]:.0f} rows/s (k measured {speeds[FAST] / speeds[SLOW]:.2f}), "
+            f"fixed {1e3 * fixed[FAST]:.1f} : {1e3 * fixed[SLOW]:.1f} ms -> rows {':'.join(map(str, p['rows']))}; "
+            f"by the speeds alone {':'.join(map(str, p['rows_by_speeds_alone']))}; "
+            f"balanced for the k asked: {':'.join(map(str, hand))}"
         )
     print('\ngoals (docs/heterogeneous.md, "Measuring heterogeneity here"):')
     print("\n".join(goals(rows)))
