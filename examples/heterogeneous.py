@@ -3,7 +3,9 @@
 Each rank takes the mean loss over its own rows, as under DDP; with the batch cut
 by shares, ``loss_reduction="mean"`` weights each rank's gradient by its share of
 the rows (1/4 and 3/4), not by 1/2, so the gradients are those of the mean over
-the whole batch. The script checks them against one device (docs/heterogeneous.md).
+the whole batch. The rows come from a hand-written deployment (rank 1 three times as
+fast), which the report then reads: each rank's predicted step, and the even cut's. The
+script checks the gradients against one device (docs/heterogeneous.md).
 
     python examples/heterogeneous.py
     torchrun --nproc-per-node 2 examples/heterogeneous.py
@@ -18,8 +20,11 @@ import torch.nn.functional as F
 
 import torch_hca as hca
 
-SHARES = (1, 3)
-BATCH = 16  # a multiple of sum(SHARES)
+BATCH = 16
+# Rank 1 does three times rank 0's rows a second; each pays 1 ms a step whatever its rows.
+DEPLOYMENT = hca.Deployment(
+    (hca.RankCapacity("cpu", 100.0, None, 0.001), hca.RankCapacity("cpu", 300.0, None, 0.001)), unit="rows/s"
+)
 
 
 def main():
@@ -27,10 +32,12 @@ def main():
     rank = dist.get_rank()
     torch.manual_seed(0)
     one_device = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
-    cut = hca.Shard(0, shares=SHARES)
-    model = hca.sharded({}, mesh=mesh, inputs=cut, outputs=cut, loss_reduction="mean")(copy.deepcopy(one_device))
+    rows = DEPLOYMENT.shares(BATCH)  # (4, 12): the split whose slower rank finishes first
+    cut = hca.Shard(0, shares=rows)
+    model = hca.sharded({}, mesh=mesh, inputs=cut, outputs=cut, loss_reduction="mean", deployment=DEPLOYMENT)(
+        copy.deepcopy(one_device)
+    )
     compiled = torch.compile(model, backend="hca")
-    rows = [BATCH * s // sum(SHARES) for s in SHARES]
     start = sum(rows[:rank])
     x, target = torch.randn(BATCH, 32), torch.randn(BATCH, 32)  # the global batch, the same on every rank
     F.mse_loss(compiled(x[start : start + rows[rank]]), target[start : start + rows[rank]]).backward()

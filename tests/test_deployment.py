@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -157,7 +159,24 @@ def test_measured_on_the_ranks_and_the_batch_cut_by_it_trains_as_one_device(worl
         assert cap.fixed_s == pytest.approx(0.01 * (1 + r), rel=0.3) and cap.speed == pytest.approx(
             1e3 / (1 + r), rel=0.3
         )
-    for r in worlds(2).run(uneven_cases.dp_by_shares, "deep_mlp", shares, 12):
+    # The line's deployment given to hca.sharded: the report says each rank's predicted step for
+    # the 8:4 cut that runs, the even cut's, and the deployment's best cut (10:2: rank 1's fixed
+    # part is twice rank 0's, and it is half as fast); the strategy file carries it.
+    for r in worlds(2).run(uneven_cases.dp_by_shares, "deep_mlp", shares, 12, True, 2, False, line.to_dict()):
         assert max(r["out_err"], *r["grad_errs"].values(), *r["param_errs"].values()) <= TOL, r
         # Data parallelism by shares: nothing moves forward; the backward sums gradients (all-reduces).
         assert {(d, kind) for d, kind, *_ in r["collectives"]} == {("backward", "all_reduce")}, r["collectives"]
+        said = (
+            r"by the deployment, measured \S+, predicted step: rank 0 8 rows [\d.]+ ms, rank 1 4 rows [\d.]+ ms; "
+            r"slowest [\d.]+ ms, the even cut's [\d.]+ ms; the deployment's best cut 10:2: [\d.]+ ms"
+        )
+        assert re.search(said, r["shares_line"]) and re.fullmatch(said, r["explain_head"]), r
+        assert hca.Deployment.from_dict(r["filed_deployment"]) == line, r["filed_deployment"]
+
+
+def test_sharded_refuses_a_deployment_of_another_world(fake_pg):
+    three = hca.Deployment((hca.RankCapacity("cpu", 1.0),) * 3)
+    with pytest.raises(hca.MeshError, match="describes 3 ranks, the world has 4"):
+        hca.sharded({}, mesh=fake_pg, deployment=three)(torch.nn.Linear(2, 2))
+    with pytest.raises(hca.PlanError, match="deployment= must be a hca.Deployment or the path of its file"):
+        hca.sharded({}, mesh=fake_pg, deployment={"ranks": []})(torch.nn.Linear(2, 2))

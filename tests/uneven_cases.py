@@ -49,7 +49,13 @@ def llama() -> model_zoo.Built:
 
 
 def dp_by_shares(
-    model_name: str, shares: tuple[int, ...], batch: int, weighted: bool = True, steps: int = 2, megatron: bool = False
+    model_name: str,
+    shares: tuple[int, ...],
+    batch: int,
+    weighted: bool = True,
+    steps: int = 2,
+    megatron: bool = False,
+    deployment: dict | None = None,
 ) -> dict:
     """Two SGD steps (momentum 0.9) of `model_name` under data parallelism cut by `shares`.
 
@@ -59,7 +65,8 @@ def dp_by_shares(
     way over tp and the batch cut by `shares` over dp.
     Returns the worst relative error of this rank's outputs, of each gradient and of each
     parameter after the steps, against one device; the collectives of the compiled graphs;
-    this rank's rows; and the report's description of the shares.
+    this rank's rows; and the report's description of the shares. ``deployment``: a
+    `hca.Deployment`'s data, given to `hca.sharded`; the strategy file's copy is returned.
     """
     from torch_hca.tools import zoo
 
@@ -73,9 +80,10 @@ def dp_by_shares(
     )()
     cut = (hca.Shard(0, shares=shares), hca.Replicate()) if megatron else hca.Shard(0, shares=shares)
     plan = zoo.two_d(zoo.TP_GPT) if megatron else {}
-    model = hca.sharded(plan, mesh=mesh, inputs=cut, outputs=cut, loss_reduction="mean" if weighted else "sum")(
-        copy.deepcopy(ref)
-    )
+    dep = hca.Deployment.from_dict(deployment) if deployment is not None else None
+    model = hca.sharded(
+        plan, mesh=mesh, inputs=cut, outputs=cut, loss_reduction="mean" if weighted else "sum", deployment=dep
+    )(copy.deepcopy(ref))
     compiled = torch.compile(model, backend="hca", options={"check": True})
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
@@ -110,7 +118,17 @@ def dp_by_shares(
         "collectives": collectives,
         "parameter_bytes": sum(p.numel() * p.element_size() for p in unique),
         "shares_line": report.parallelism(),
+        "explain_head": report.explain().splitlines()[1] if dep is not None else None,
+        "filed_deployment": _filed_deployment(report),
     }
+
+
+def _filed_deployment(report) -> dict | None:
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        return report.save_strategy(os.path.join(d, "s.json"))["deployment"]
 
 
 def weighted_and_not(model_name: str, shares: tuple[int, ...], batch: int) -> tuple[dict, dict]:

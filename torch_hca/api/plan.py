@@ -143,8 +143,25 @@ def _strategy_path(strategy: Any) -> str | None:
     return os.fspath(strategy)
 
 
+def _deployment(deployment: Any, mesh: DeviceMesh) -> Any:
+    """``hca.sharded(..., deployment=)`` checked: None, or a `hca.Deployment` (or its file's path)
+    of the mesh's world, this rank's device present."""
+    if deployment is None:
+        return None
+    from torch_hca.api.deployment import Deployment
+
+    if isinstance(deployment, (str, os.PathLike)):
+        deployment = Deployment.load(deployment)
+    if not isinstance(deployment, Deployment):
+        raise PlanError(
+            f"hca.sharded: deployment= must be a hca.Deployment or the path of its file, got {deployment!r}; "
+            "measure one with hca.Deployment.measure() or write one (docs/heterogeneous.md)"
+        )
+    return deployment.check(world_size=mesh.mesh.numel(), rank=dist.get_rank() if dist.is_initialized() else None)
+
+
 def _shard_instance(
-    module: nn.Module, plan, mesh, inputs, outputs, grad_reduction, loss_reduction="sum", strategy=None
+    module: nn.Module, plan, mesh, inputs, outputs, grad_reduction, loss_reduction="sum", strategy=None, deployment=None
 ) -> nn.Module:
     if getattr(module, "_hca_spec", None) is not None:
         raise PlanError(
@@ -168,6 +185,7 @@ def _shard_instance(
         share_weight=share_weight(loss_reduction, mesh, out_layout),
         uneven=uneven,
         strategy=strategy,
+        deployment=_deployment(deployment, mesh),
     )
     _check_same_plan(module, spec)
     _distribute(module, spec)
@@ -187,6 +205,7 @@ def sharded(
     grad_reduction: str | Mapping[str, str] = "eager",
     loss_reduction: str = "sum",
     strategy: str | os.PathLike | None = None,
+    deployment: Any = None,
 ):
     """Store a module's parameters over a device mesh as `plan` says.
 
@@ -211,6 +230,10 @@ def sharded(
     that a compile of this module loads instead of solving, as
     ``options={"strategy": path}`` does (docs/strategy.md); an option naming
     another file is an `OptionsError`.
+    ``deployment``: a `hca.Deployment` (or its JSON file's path) of the mesh's
+    ranks: with the batch cut by shares, the report then gives each rank's
+    rows and predicted step, the even cut's and the deployment's best cut
+    (docs/heterogeneous.md); the strategy file records it.
 
     Use on a class (parameters are distributed at the end of ``__init__``) or
     on an instance (distributed at once, returns the same module)::
@@ -225,7 +248,7 @@ def sharded(
 
     def apply(target):
         if isinstance(target, nn.Module):
-            _shard_instance(target, plan, mesh, inputs, outputs, grad_reduction, loss_reduction, strategy)
+            _shard_instance(target, plan, mesh, inputs, outputs, grad_reduction, loss_reduction, strategy, deployment)
             if getattr(type(target).forward, "_hca_wrapped", False):
                 support_pickling(type(target), made=False)  # torch.save(model): see "pickling"
             else:
@@ -238,7 +261,9 @@ def sharded(
             def sharded_init(self, *args, **kwargs):
                 init(self, *args, **kwargs)
                 if type(self) is target:
-                    _shard_instance(self, plan, mesh, inputs, outputs, grad_reduction, loss_reduction, strategy)
+                    _shard_instance(
+                        self, plan, mesh, inputs, outputs, grad_reduction, loss_reduction, strategy, deployment
+                    )
 
             target.__init__ = sharded_init
             target.forward = wrap_forward(target.forward)

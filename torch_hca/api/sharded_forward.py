@@ -93,7 +93,8 @@ def _call_uneven(module: nn.Module, spec: ShardingSpec, args: tuple, kwargs: dic
     dynamic, so that every rank, whatever its rows, traces one program; each result's
     cotangent is weighted by this rank's share, which differs by rank and so stays out of it.
     """
-    _mark_uneven(spec, args, kwargs)
+    # This rank's rows of the cut dimension, for the report's per-rank view (hca.sharded(deployment=)).
+    module.__dict__["_hca_uneven_rows"] = _mark_uneven(spec, args, kwargs)
     traced = module.__dict__.get("_hca_traced_call")
     if traced is None:
         # A code object of its own per module: Dynamo keys its cache by code object, and a frame
@@ -112,16 +113,20 @@ def _traced_call(module: nn.Module, spec: ShardingSpec, args: tuple, kwargs: dic
 
 
 @torch._dynamo.disable
-def _mark_uneven(spec: ShardingSpec, args: tuple, kwargs: dict) -> None:
+def _mark_uneven(spec: ShardingSpec, args: tuple, kwargs: dict) -> int | None:
+    """Mark each cut dimension dynamic; returns this rank's rows of the first (None: no tensor cut)."""
     pieces = [(a, spec.input_layout(i)) for i, a in enumerate(args)] + [
         (v, spec.input_layout(None)) for v in kwargs.values()
     ]
+    rows = None
     for value, layout in pieces:
         for t in tree_leaves(value):
             if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
                 for _, p in uneven_dims(layout):
                     # maybe_: a piece of one row stays static (Dynamo specializes sizes 0 and 1).
                     torch._dynamo.maybe_mark_dynamic(t, p.dim % t.dim())
+                    rows = t.shape[p.dim % t.dim()] if rows is None else rows
+    return rows
 
 
 @torch._dynamo.disable

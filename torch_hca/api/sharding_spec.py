@@ -34,6 +34,9 @@ class ShardingSpec:
     # hca.sharded(..., strategy=path): the strategy file a compile of this module loads when its
     # options name none (backends/entry.py, docs/strategy.md).
     strategy: str | None = None
+    # hca.sharded(..., deployment=): each rank's capacity (a hca.Deployment), read by the report
+    # (each rank's rows and predicted step under shares) and written into the strategy file.
+    deployment: Any = None
 
     def input_layout(self, index: int | None) -> Layout | None:
         if not self.per_argument:

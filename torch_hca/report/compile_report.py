@@ -19,6 +19,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
 from torch_hca.errors import HCAError
+from torch_hca.report import deployment_view
 from torch_hca.spmd.cost_model import CostModel
 from torch_hca.spmd.collective_nodes import nbytes
 from torch_hca.spmd.placements import dtype_str, layout_str, partial_dims
@@ -266,6 +267,9 @@ class CompileReport:
                     f"cost model: {lay.cost_model_source or '?'}"
                 )
             lines = [head + " =="]
+            view = self.deployment_view(g)
+            if view is not None:
+                lines.append(deployment_view.sentence(view))
             if g.tuning is not None:
                 lines.append(tuning_line(g.tuning))
             rows = lay.values
@@ -297,8 +301,28 @@ class CompileReport:
 
     def parallelism(self) -> str:
         """One sentence per graph: what was stored, what the program does, its predicted step,
-        and the user's layout as written priced by the same model (`torch_hca.report.parallelism`)."""
-        return "\n".join(sentence(g) for g in self.graphs)
+        and the user's layout as written priced by the same model (`torch_hca.report.parallelism`);
+        under shares with a deployment, each rank's rows and predicted step (`deployment_view`)."""
+        lines = []
+        for g in self.graphs:
+            view = self.deployment_view(g)
+            lines.append(sentence(g) + (f"; {deployment_view.sentence(view)}" if view else ""))
+        return "\n".join(lines)
+
+    def deployment_view(self, g: GraphReport) -> dict | None:
+        """Each rank's rows and predicted step for graph `g` under the module's deployment
+        (``hca.sharded(..., deployment=)``), None without one or without shares."""
+        module = self._module() if self._module is not None else None
+        spec = module.__dict__.get("_hca_spec") if module is not None else None
+        rows = module.__dict__.get("_hca_uneven_rows") if module is not None else None
+        return deployment_view.per_rank(g.uneven, spec, rows)
+
+    def deployment(self) -> dict | None:
+        """The module's deployment as its JSON data (``hca.sharded(..., deployment=)``), or None."""
+        module = self._module() if self._module is not None else None
+        spec = module.__dict__.get("_hca_spec") if module is not None else None
+        dep = getattr(spec, "deployment", None)
+        return dep.to_dict() if dep is not None else None
 
     def __str__(self) -> str:
         parts = [

@@ -414,6 +414,9 @@ def build(rep: Any) -> dict:
         "world_size": math.prod(mesh["shape"]),
         "model": model,
         "graphs": [_plain(_graph_entry(g, mesh)) for g in graphs],
+        # Informative, as cost_model: which rank is which device and its capacity
+        # (hca.sharded(..., deployment=)); loading and the verifier do not compare it.
+        "deployment": rep.deployment() if hasattr(rep, "deployment") else None,
     }
 
 
