@@ -22,12 +22,14 @@ def _assert_one_device(results):
         assert r["grad_errs"] and max(errs) <= TOL, r
 
 
-def test_mixtral_grouped_kernel_at_2_ranks_batch_split_and_experts_stored_split(worlds):
+def test_mixtral_grouped_kernel_at_2_ranks_under_dp_experts_megatron_attention_and_fsdp(worlds):
     """HF's default kernel normalises the router's top-k weights in place
     (`router_top_value /= ...sum(...)`, on a value DTensor's from_local wrapped as a view): made
-    out of place by the lift pass, not refused."""
-    results = worlds(2).run(moe_cases.mixtral_parity, ["dp", "experts"], 2, "mixtral_grouped")
-    _assert_one_device([rank[plan] for rank in results for plan in ("dp", "experts")])
+    out of place by the lift pass, not refused. Four plans: data parallel, the experts stored
+    split, Megatron attention, FSDP-style (attention and experts split by their first dim)."""
+    plans = ["dp", "experts", "attention", "fsdp"]
+    results = worlds(2).run(moe_cases.mixtral_parity, plans, 2, "mixtral_grouped")
+    _assert_one_device([rank[plan] for rank in results for plan in plans])
     dp, experts = results[0]["dp"], results[0]["experts"]
     # The token ids gathered once and every rank routes the whole batch; the grouped kernel's
     # backward gathers and sums one routing tensor.
@@ -35,6 +37,12 @@ def test_mixtral_grouped_kernel_at_2_ranks_batch_split_and_experts_stored_split(
     # ... and with the experts stored split, the expert weights gathered too.
     assert (experts["forward"], experts["backward"]) == ({"all_gather": 2}, {"all_gather": 1, "all_reduce": 1}), experts
     assert set(experts["experts"].values()) == {"(Shard(dim=0),)"}, experts["experts"]
+    # Megatron attention and FSDP-style storage: the tokens and the split weights gathered, no
+    # gradient summed (every rank routes the whole batch), as Qwen2-MoE's below.
+    for plan in ("attention", "fsdp"):
+        got = (results[0][plan]["forward"], results[0][plan]["backward"])
+        assert got == ({"all_gather": 2}, {"all_gather": 1}), (plan, got)
+    assert set(results[0]["fsdp"]["experts"].values()) == {"(Shard(dim=0),)"}
 
 
 def test_qwen2_moe_at_2_ranks_under_dp_megatron_attention_and_fsdp(worlds):
