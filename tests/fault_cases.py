@@ -168,3 +168,30 @@ def evaluate_on_rank_zero_only() -> tuple[str, str, float]:
         e = getattr(e, "inner_exception", e)  # Dynamo's BackendCompilerFailed
         return type(e).__name__, str(e), time.monotonic() - start
     return "none", "", time.monotonic() - start
+
+
+def evaluate_eagerly_on_rank_zero_only(plan_name: str) -> tuple[str, str, float]:
+    """`if rank == 0: model(x)` outside torch.compile while rank 1 trains compiled on, the MLP
+    stored by `plan_name` ("megatron": its collectives need both ranks; "dp": replicated, they
+    need none). (error type, message, seconds until the error) on each rank."""
+    from torch_hca.tools import zoo
+
+    hca.init_mesh()
+    torch.manual_seed(0)
+    plan = zoo.MEGATRON_MLP if plan_name == "megatron" else {}
+    model = hca.sharded(plan, inputs=hca.Shard(0), outputs=hca.Shard(0))(zoo.MLP())
+    compiled = torch.compile(model, backend="hca")
+    x = torch.randn(4, 16)
+    compiled(x).sum().backward()
+    with torch.no_grad():
+        model(x)  # every rank at once: fine under any plan
+    start = time.monotonic()
+    try:
+        if dist.get_rank() == 0:
+            with torch.no_grad():
+                model(x)
+        compiled(x).sum().backward()
+    except Exception as e:
+        e = getattr(e, "inner_exception", e)
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "none", "", time.monotonic() - start

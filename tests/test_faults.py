@@ -172,6 +172,27 @@ def test_evaluating_on_one_rank_only_is_named_not_a_timeout(short_world):
         assert "Evaluate on every rank" in message and "did not get there" not in message, message
 
 
+def test_an_eager_evaluation_on_one_rank_only_is_named_at_once(short_world):
+    """Rank 0 calls the Megatron-stored module eagerly (no_grad) while rank 1 trains compiled: the
+    eager call meets rank 1's input check at once and both name it, well within the timeout."""
+    try:
+        results = short_world.run(fault_cases.evaluate_eagerly_on_rank_zero_only, "megatron")
+    finally:
+        short_world.close()  # the ranks' check rounds no longer line up
+    for rank, (kind, message, waited) in enumerate(results):
+        assert kind == "CheckError", (rank, kind, message)
+        assert "an eager call of MLP (no_grad)" in message and "runs graph 0" in message, message
+        assert "Evaluate on every rank" in message and "did not get there" not in message, message
+        assert waited < TIMEOUT_S, (rank, waited)
+
+
+def test_an_eager_evaluation_on_one_rank_under_data_parallelism_runs(worlds):
+    """Parameters replicated: an eager call needs nothing from the other rank, so one rank may
+    evaluate alone (no check posted, no error)."""
+    for kind, message, _ in worlds(2).run(fault_cases.evaluate_eagerly_on_rank_zero_only, "dp"):
+        assert kind == "none", message
+
+
 # --------------------------------------------------------------- a killed rank
 
 

@@ -42,6 +42,8 @@ def wrap_forward(forward):
                 return _call_uneven(self, spec, args, kwargs)
             # Dynamo traces the single-device program; the backend places it (docs/theory.md, section 1).
             return call_logically(self, spec, args, kwargs)
+        if not torch.compiler.is_compiling():
+            _check_every_rank_calls(self, spec)
         args = tuple(tree_map(lambda t, i=i: spec.to_dtensor(t, i), a) for i, a in enumerate(args))
         kwargs = tree_map(lambda t: spec.to_dtensor(t, None), kwargs)
         replicated = (Replicate(),) * spec.mesh.ndim
@@ -65,6 +67,34 @@ def wrap_forward(forward):
 
     sharded_forward._hca_wrapped = True
     return sharded_forward
+
+
+def eager_call_text(module: nn.Module) -> str:
+    """What an eager call is, as the input check names a call (``graph 0 (training)``)."""
+    mode = "no_grad" if not torch.is_grad_enabled() else ("training" if module.training else "eval")
+    return f"an eager call of {type(module).__name__} ({mode})"
+
+
+def _check_every_rank_calls(module: nn.Module, spec: ShardingSpec) -> None:
+    """An eager call of a module with a parameter stored split communicates, so every rank must be
+    making it: `if rank == 0: evaluate(model)` would otherwise pair rank 0's collectives with the
+    other ranks' training and wait out the timeout. The call posts under the input check's topic
+    (`torch_hca.compiler.checks.agreement`), so a peer at a compiled step or another eager call
+    meets it at once and both name the mismatch. Parameters all replicated (data parallelism): an
+    eager call needs nothing from the others, and one rank may evaluate alone."""
+    if not needs_exchange() or all(all(isinstance(p, Replicate) for p in layout) for layout in spec.params.values()):
+        return
+    mine = eager_call_text(module)
+    texts = exchange("step", f"{mine}\t-\t-", range(dist.get_world_size()), mine)
+    for rank, text in sorted(texts.items()):
+        theirs = text.split("\t")[0]
+        if theirs != mine:
+            raise CheckError(
+                f"rank {dist.get_rank()} makes {mine} while rank {rank} runs {theirs}: a module with parameters "
+                "stored split needs every rank in each call, compiled or eager (its collectives pair up across "
+                "the ranks). Evaluate on every rank (each on its own rows), or save the model and evaluate it "
+                "on one device (docs/huggingface.md)"
+            )
 
 
 def _check_one_generator_state(digest: str) -> None:

@@ -213,6 +213,13 @@ class InputAgreement:
     def _compare(self, a: int, ours: list[str], b: int, theirs: list[str]) -> None:
         our_what, our_program, our_generators = ours[0].split("\t")
         their_what, their_program, their_generators = theirs[0].split("\t")
+        if our_what != their_what and "eager call" in our_what + their_what:
+            raise CheckError(
+                f"{self.what}: rank {a} runs {our_what} while rank {b} runs {their_what}: a module with parameters "
+                "stored split needs every rank in each call, compiled or eager (its collectives pair up across the "
+                "ranks). Evaluate on every rank (each on its own rows), or save the model and evaluate it on one "
+                "device (docs/huggingface.md)"
+            )
         if our_what != their_what:
             raise CheckError(
                 f"{self.what}: rank {a} runs {our_what} while rank {b} runs {their_what}: the ranks recompiled "
