@@ -125,3 +125,37 @@ def test_in_place_means_an_update_not_a_name_ending_in_underscore():
         g.call_function(torch.relu, (a,), {"inplace": True}),
     ]
     assert [in_place(n) for n in nodes] == [False, True, True, False, True]
+
+
+def test_a_tied_weight_read_whole_and_by_a_split_batch_is_summed_once():
+    """The zoo's BERT, Megatron plan, fake world 4: the solver computes the embeddings whole and cuts
+    them by batch, and the tied MLM head reads a split batch, so the table's gradient mixes a whole
+    contribution (the lookup's) with partial ones (the head's) before one all_reduce. DTensor adds
+    the whole one as whole / n per rank; the check does too (it used to count it 4 times, a false
+    alarm). Negative control: that all_reduce removed, the table's gradient is named."""
+    import model_zoo
+    from dist_cases import local_piece
+    from torch_hca.report import strategy_file
+
+    torch._dynamo.reset()
+    with fake_world(4) as mesh:
+        torch.manual_seed(0)
+        ref, make_inputs, _ = model_zoo.build("bert")
+        spec = model_zoo.plan_spec("bert", "megatron", 4, ref)
+        xs = make_inputs(model_zoo.BATCH)
+        model = hca.sharded(spec.plan, mesh=mesh, inputs=spec.inputs, outputs=spec.outputs)(copy.deepcopy(ref))
+        compiled = torch.compile(model, backend="hca", options={"strict": True})
+        compiled(*(local_piece(x, mesh, spec.inputs) for x in xs)).sum().backward()
+        saved = strategy_file.build(hca.report(compiled))
+    table = next(
+        n for n, v in saved["graphs"][0]["values"].items() if v.get("parameter", "").endswith("word_embeddings.weight")
+    )
+    mark = next(n for n, v in saved["graphs"][0]["values"].items() if v["reads"] == [table])
+    summed = [c for c in saved["graphs"][0]["collectives"] if c["direction"] == "backward" and c.get("origin") == mark]
+    assert [c["kind"] for c in summed] == ["all_reduce"], summed
+    found, summary = check(copy.deepcopy(ref), saved, xs)
+    assert found == [] and summary.gradients > 30, (found, summary)
+    broken = copy.deepcopy(saved)
+    _remove_collective(broken, summed[0]["id"])
+    found, _ = check(copy.deepcopy(ref), broken, xs)
+    assert found and "word_embeddings.weight" in found[0].where, found

@@ -32,7 +32,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import gradients, vocabulary
+from . import cotangents, gradients, vocabulary
 from . import pieces as P
 from .retrace import Traced, capture, rebind, trace
 from .float64 import METHODS, RTOL, differs, flat, float64, in_place, natural, scale, wide
@@ -126,6 +126,11 @@ class _Run:
                     self.gathered.add((c["origin"], c["mesh_dim"]))
                     continue
                 self.reduced.setdefault(c.get("origin"), []).append((c["mesh_dim"], c["kind"]))
+        self.readers: dict[str, list[str]] = {}  # file value -> the file values that read it
+        for n, v in self.values.items():
+            for r in v["reads"]:
+                self.readers.setdefault(r, []).append(n)
+        self.whole: dict[tuple[str, int], bool] = {}  # (value, mesh dim) -> its cotangent whole there (cotangents)
         self.logical: dict[str, Any] = {}  # trace node -> its value on the whole tensors
         self.ranks: dict[str, list] = {}  # trace node (unpaired) or file value -> each rank's piece
         self.paired: dict[str, str] = {}  # trace node -> file value
@@ -344,7 +349,7 @@ class _Run:
                 pick = reads[0]  # the rest in order
             if pick is not None:
                 reads.remove(pick)
-                out[a.name] = (self.pieces(pick), self._at(pick))
+                out[a.name] = (cotangents.counted_once(self, pick, name), self._at(pick))
             elif mine in self.ranks:
                 out[a.name] = (self.ranks[mine], self._at(mine))
             elif a.name in self.ranks:
