@@ -46,6 +46,7 @@ def mixtral_parity(plans: list[str], steps: int = 2, family: str = "mixtral") ->
         layout = {k: v for k, v in PLANS[plan].items() if family == "qwen2_moe" or "shared_expert" not in k}
         model = hca.sharded(layout, mesh=mesh, inputs=Shard(0), outputs=Shard(0))(copy.deepcopy(ref))
         compiled = torch.compile(model, backend="hca")
+        torch._dynamo.utils.counters.clear()
         opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
         out_err, grad_errs = 0.0, {}
         for step in range(steps):
@@ -72,5 +73,8 @@ def mixtral_parity(plans: list[str], steps: int = 2, family: str = "mixtral") ->
             "experts": {n: str(p.placements) for n, p in model.named_parameters() if ".experts." in n},
             "forward": rep.collective_counts("forward"),
             "backward": rep.collective_counts("backward"),
+            "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
+            "break_reasons": sorted({str(k).splitlines()[0][:160] for k in torch._dynamo.utils.counters["graph_break"]}),
+            "graphs": len(rep.graphs),
         }
     return results

@@ -16,10 +16,12 @@ import moe_cases  # noqa: E402
 TOL = 1e-5
 
 
-def _assert_one_device(results):
+def _assert_one_device(results, one_graph: bool = True):
     for r in results:
         errs = [r["out_err"], *r["grad_errs"].values(), *r["param_errs"].values()]
         assert r["grad_errs"] and max(errs) <= TOL, r
+        if one_graph:  # no graph break: the whole step is one program compiled by hca
+            assert r["graph_breaks"] == 0, r["break_reasons"]
 
 
 def test_mixtral_grouped_kernel_at_2_ranks_under_dp_experts_megatron_attention_and_fsdp(worlds):
@@ -62,5 +64,10 @@ def test_qwen2_moe_at_2_ranks_under_dp_megatron_attention_and_fsdp(worlds):
 
 def test_mixtral_loop_over_experts_at_4_ranks_one_expert_each(worlds):
     results = worlds(4).run(moe_cases.mixtral_parity, ["experts"])
-    _assert_one_device([rank["experts"] for rank in results])
+    _assert_one_device([rank["experts"] for rank in results], one_graph=False)
+    # HF's loop over the experts asks which tokens each expert got (torch.where on the routing
+    # mask, a data-dependent shape): Dynamo breaks the graph there, and every piece is compiled
+    # by hca (docs/huggingface.md). No other reason.
+    assert all(r["experts"]["graph_breaks"] > 0 for r in results), results[0]["experts"]
+    assert all(r["experts"]["break_reasons"] == ["Dynamic shape operator"] for r in results), results[0]["experts"]
     assert all((r["experts"]["forward"], r["experts"]["backward"]) == ({"all_gather": 2}, {}) for r in results)
