@@ -180,3 +180,28 @@ def test_sharded_refuses_a_deployment_of_another_world(fake_pg):
         hca.sharded({}, mesh=fake_pg, deployment=three)(torch.nn.Linear(2, 2))
     with pytest.raises(hca.PlanError, match="deployment= must be a hca.Deployment or the path of its file"):
         hca.sharded({}, mesh=fake_pg, deployment={"ranks": []})(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("fake_pg", [2], indirect=True)
+def test_an_even_cut_is_told_the_deployments_best_cut(fake_pg):
+    """The batch cut evenly (inputs=Shard(0)) on ranks of unequal speed: the report gives each
+    rank's predicted step for the even cut and the deployment's best cut, with the plan that asks
+    for it (rank 1 half as fast and paying twice the fixed part: 16:8 of 24 rows)."""
+    from torch_hca.tools import zoo
+
+    torch._dynamo.reset()
+    caps = (hca.RankCapacity("cpu", 200.0, None, 0.001), hca.RankCapacity("cpu", 100.0, None, 0.002))
+    dep = hca.Deployment(caps, "rows/s")
+    model = hca.sharded({}, mesh=fake_pg, inputs=hca.Shard(0), outputs=hca.Shard(0), deployment=dep)(zoo.MLP())
+    compiled = torch.compile(model, backend="hca")
+    compiled(torch.randn(12, 16)).sum().backward()  # this rank's 12 of 24 rows
+    rep = hca.report(compiled)
+    view = rep.deployment_view(rep.graph)
+    assert view["cut"] == "even" and view["rows"] == [12, 12] and view["best_rows"] == [16, 8], view
+    assert view["predicted_s"] == pytest.approx([0.061, 0.122]) and view["best_s"] == pytest.approx(0.082), view
+    said = (
+        "by the deployment, predicted step: rank 0 12 rows 61 ms, rank 1 12 rows 122 ms; slowest 122 ms; "
+        "the deployment's best cut 16:8: 82 ms (inputs=hca.Shard(0, shares=(16, 8)), each rank its rows)"
+    )
+    assert rep.parallelism().endswith(said) and said in rep.explain(), rep.parallelism()
+    assert rep.deployment() == dep.to_dict()

@@ -231,9 +231,9 @@ def sharded(
     ``options={"strategy": path}`` does (docs/strategy.md); an option naming
     another file is an `OptionsError`.
     ``deployment``: a `hca.Deployment` (or its JSON file's path) of the mesh's
-    ranks: with the batch cut by shares, the report then gives each rank's
-    rows and predicted step, the even cut's and the deployment's best cut
-    (docs/heterogeneous.md); the strategy file records it.
+    ranks: with the batch cut by rows (by shares, or evenly), the report then
+    gives each rank's rows and predicted step, the even cut's and the
+    deployment's best cut (docs/heterogeneous.md); the strategy file records it.
 
     Use on a class (parameters are distributed at the end of ``__init__``) or
     on an instance (distributed at once, returns the same module)::

@@ -311,11 +311,11 @@ class CompileReport:
 
     def deployment_view(self, g: GraphReport) -> dict | None:
         """Each rank's rows and predicted step for graph `g` under the module's deployment
-        (``hca.sharded(..., deployment=)``), None without one or without shares."""
+        (``hca.sharded(..., deployment=)``), None without one or without a batch cut by rows."""
         module = self._module() if self._module is not None else None
         spec = module.__dict__.get("_hca_spec") if module is not None else None
         rows = module.__dict__.get("_hca_uneven_rows") if module is not None else None
-        return deployment_view.per_rank(g.uneven, spec, rows)
+        return deployment_view.per_rank(g, spec, rows)
 
     def deployment(self) -> dict | None:
         """The module's deployment as its JSON data (``hca.sharded(..., deployment=)``), or None."""

@@ -31,7 +31,7 @@ _MOVE_NAMES = {
 
 
 # How the solver's record names a value the user passed in (torch_hca.compiler.layout.candidates).
-_INPUT_WHY = ("graph input", "made from a local tensor")
+INPUT_WHY = ("graph input", "made from a local tensor")
 
 
 def placements(layout: str | None) -> list[str]:
@@ -102,7 +102,7 @@ def sentence(g: Any) -> str:
     mesh = g.mesh or {}
     ranks = math.prod(mesh.get("shape") or [1])
     stored, sharded = _storage(g.parameters)
-    inputs = sorted({r.placement for r in lay.values if r.why in _INPUT_WHY})
+    inputs = sorted({r.placement for r in lay.values if r.why in INPUT_WHY})
     if inputs:
         stored += f", inputs {' '.join(inputs)}"
     moves = _moves(g.redistributions, {info["graph_input"] for info in g.parameters.values()})
