@@ -168,6 +168,9 @@ def test_the_command_line_takes_hetero(monkeypatch):
     called = []
     monkeypatch.setattr(bh, "main", lambda *a, **kw: called.append((a, kw)) or 0)
     assert main(["bench", "--hetero", "--tiny", "--json", "/tmp/x.json", "--rounds", "3"]) == 0
-    assert called == [(("/tmp/x.json", True), {"rounds": 3})]
-    with pytest.raises(SystemExit):
-        main(["bench", "--hetero", "--models", "dp"])
+    assert called == [(("/tmp/x.json", True), {"rounds": 3, "batch": None})]
+    assert main(["bench", "--hetero", "--rows", "96"]) == 0  # the global batch's rows
+    assert called[-1] == ((None, False), {"rounds": None, "batch": 96})
+    for bad in (["--models", "dp"], ["--rows", "7"], ["--rows", "4,8"]):
+        with pytest.raises(SystemExit):
+            main(["bench", "--hetero", *bad])

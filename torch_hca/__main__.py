@@ -159,7 +159,10 @@ def _bench_arguments(bench: argparse.ArgumentParser) -> None:
         '"Real-size models"); with --tiny, the same families at tiny sizes',
     )
     bench.add_argument(
-        "--rows", default=None, metavar="R[,R...]", help="--real: rows per rank, each a table of its own (default 4)"
+        "--rows",
+        default=None,
+        metavar="R[,R...]",
+        help="--real: rows per rank, each a table of its own (default 4); --hetero: the global batch's rows (default 24)",
     )
     bench.add_argument("--seq", type=int, default=None, help="--real: tokens per row (default 64; 16 with --tiny)")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write the records as JSON")
@@ -246,14 +249,13 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _bench_hetero(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """`bench --hetero`: 2 ranks, its own model and k's; reads --json, --tiny and --rounds (when > 1)."""
+    """`bench --hetero`: 2 ranks, its own model and k's; reads --json, --tiny, --rounds (when > 1) and --rows."""
     from .tools.bench_hetero import main as hetero_main
 
     others = {
         "--real": args.real,
         "--models": args.models,
         "--contestants": args.contestants,
-        "--rows": args.rows,
         "--seq": args.seq,
         "--profile": args.profile,
         "--hca-options": args.hca_options,
@@ -262,9 +264,14 @@ def _bench_hetero(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     given = [flag for flag, value in others.items() if value]
     if given:
         parser.error(
-            f"--hetero runs its own model on 2 ranks; it takes --json, --tiny and --rounds, not {', '.join(given)}"
+            f"--hetero runs its own model on 2 ranks; it takes --json, --tiny, --rounds and --rows, not {', '.join(given)}"
         )
-    return hetero_main(args.json, args.tiny, rounds=args.rounds if args.rounds > 1 else None)
+    batch = None
+    if args.rows is not None:  # with --hetero: the global batch's rows, one number
+        if not args.rows.isdigit() or int(args.rows) < 8 or int(args.rows) % 2:
+            parser.error(f"--hetero --rows {args.rows}: give the global batch's rows, one even number of at least 8")
+        batch = int(args.rows)
+    return hetero_main(args.json, args.tiny, rounds=args.rounds if args.rounds > 1 else None, batch=batch)
 
 
 if __name__ == "__main__":

@@ -274,12 +274,14 @@ def _others_cores(before: tuple | None, after: tuple | None) -> float | None:
     return max(((after[1] - before[1]) - (after[2] - before[2])) / (after[0] - before[0]), 0.0)
 
 
-def main(json_path: str | None = None, tiny: bool = False, rounds: int | None = None) -> int:
+def main(json_path: str | None = None, tiny: bool = False, rounds: int | None = None, batch: int | None = None) -> int:
     from torch_hca.runtime.launch import launch
 
     cfg = HeteroConfig.tiny() if tiny else HeteroConfig()
     if rounds:
         cfg = HeteroConfig(**{**asdict(cfg), "rounds": rounds})
+    if batch:  # more rows a step: the compute grows, data parallelism's fixed costs do not
+        cfg = HeteroConfig(**{**asdict(cfg), "batch": batch})
     load = os.getloadavg()
     print(
         f"torch_hca bench --hetero: rank 1 k times slower (sleeps (k-1) x the median CPU time of its last "
