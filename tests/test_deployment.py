@@ -205,3 +205,11 @@ def test_an_even_cut_is_told_the_deployments_best_cut(fake_pg):
     )
     assert rep.parallelism().endswith(said) and said in rep.explain(), rep.parallelism()
     assert rep.deployment() == dep.to_dict()
+
+
+@pytest.mark.parametrize("rows", [(12, 4), (0, 4), (4,)])
+def test_measuring_a_line_needs_a_step_on_n_rows_and_two_sizes(fake_pg, rows):
+    with pytest.raises(hca.MeshError, match=r"rows=.*give step\(n\), a step on n rows, and two batch sizes a < b"):
+        hca.Deployment.measure(step=lambda n: None, rows=rows)
+    with pytest.raises(hca.MeshError, match=r"give step\(n\)"):
+        hca.Deployment.measure(rows=(4, 12))  # the default matmul work takes no rows
