@@ -74,7 +74,9 @@ def mixtral_parity(plans: list[str], steps: int = 2, family: str = "mixtral") ->
             "forward": rep.collective_counts("forward"),
             "backward": rep.collective_counts("backward"),
             "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
-            "break_reasons": sorted({str(k).splitlines()[0][:160] for k in torch._dynamo.utils.counters["graph_break"]}),
+            "break_reasons": sorted(
+                {str(k).splitlines()[0][:160] for k in torch._dynamo.utils.counters["graph_break"]}
+            ),
             "graphs": len(rep.graphs),
         }
     return results
