@@ -665,3 +665,46 @@ def test_command_line_verify_against_the_model(fake_pg, tmp_path, monkeypatch, c
     assert out.returncode == 0 and "verified" in out.stdout and "TransformerBlock (re-traced" in out.stdout, (
         out.stdout + out.stderr
     )
+
+
+def _recomputed_in_backward(d, cid):
+    """The file with forward collective `cid` issued once more by the backward graph, as a
+    partition that recomputes it leaves it: an entry with ``recomputes``, its issue, its place last
+    in the group's backward order (this rank's posted order too)."""
+    g = _graph(d)
+    first = next(c for c in g["collectives"] if c["id"] == cid)
+    again = {
+        **first,
+        "id": "backward:" + cid.split(":", 1)[1],
+        "direction": "backward",
+        "partner": None,
+        "recomputes": cid,
+    }
+    again["issued_as"] = again["id"]
+    g["collectives"].append(again)
+    issue = next(i for i in g["issued"] if i["id"] == first["issued_as"])
+    g["issued"].append({**copy.deepcopy(issue), "id": again["id"], "members": [again["id"]], "direction": "backward"})
+    group = g["groups"][first["group"]]
+    group["backward"].append(again["id"])
+    at = group["forward"].index(issue["id"])
+    for orders in group.get("ranks", {}).values():
+        orders["backward"].append(orders["forward"][at])
+    return again
+
+
+def test_a_forward_collective_the_backward_recomputes_is_checked_as_the_same_one(strategies):
+    """AOTAutograd's partition may issue a forward collective again in the backward (it recomputed
+    it rather than saving its result; seen on the zoo's Llama on a real (2, 2) mesh): the file has
+    it as a backward entry naming the forward one (`recomputes`), which is no cotangent reduction.
+    The verifier accepts it as it is, and names it when it differs from the forward one."""
+    base = copy.deepcopy(strategies["tp_block"])
+    alone = {i["id"] for i in _graph(base)["issued"] if len(i["members"]) == 1}
+    gather = next(c for c in _graph(base)["collectives"] if c["direction"] == "forward" and c["issued_as"] in alone)
+    clean = copy.deepcopy(base)
+    _recomputed_in_backward(clean, gather["id"])
+    assert problems(clean) == [], problems(clean)
+    for key, wrong in (("bytes", gather["bytes"] * 2), ("origin", "elsewhere"), ("recomputes", "forward:nothing")):
+        broken = copy.deepcopy(base)
+        _recomputed_in_backward(broken, gather["id"])[key] = wrong
+        found = [p for p in problems(broken) if p.rule == "recomputed"]
+        assert found, (key, problems(broken))

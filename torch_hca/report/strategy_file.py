@@ -243,36 +243,46 @@ def _collectives(g: Any, facts: dict, issued: list[dict]) -> list[dict]:
     """One entry per collective the joint graph derived (before bucketing): kind, group, bytes,
     origin (the DTensor program node it comes from), transpose partner, and the issue it rides in."""
     issued_as = {m: i["id"] for i in issued for m in i["members"]}
-    direction = {m.split(":", 1)[1]: m.split(":", 1)[0] for m in issued_as}
+    directions: dict[str, list[str]] = {}  # joint node name -> the graphs that issue it
+    for m in issued_as:
+        which, name = m.split(":", 1)
+        directions.setdefault(name, []).append(which)
     out = []
     if g.joint is None:
         return out
     for node in g.joint.graph.nodes:
-        if node.op != "call_function" or node.target not in OPS or node.name not in direction:
+        if node.op != "call_function" or node.target not in OPS or node.name not in directions:
             continue
         vals = node_payload(node)
         payload = payload_bytes(node)
-        group, which = node_group(node), direction[node.name]
+        group = node_group(node)
         n = group_size(group)
         partner = node.meta.get(PARTNER_TAG)
-        other = "backward" if which == "forward" else "forward"
-        out.append(
-            {
-                "id": f"{which}:{node.name}",
-                "direction": which,
-                "kind": node_kind(node).value,
-                "group": group,
-                "mesh_dim": facts.get("groups", {}).get(group),
-                "group_size": n,
-                "bytes": payload,
-                "wire_bytes": bytes_per_rank(node_kind(node), payload, n),
-                "dtype": dtype_str(vals[0].dtype),
-                "shape": list(vals[0].shape),
-                "origin": origin_of(node),
-                "partner": f"{other}:{partner}" if isinstance(partner, str) and "," not in partner else None,
-                "issued_as": issued_as[f"{which}:{node.name}"],
-            }
-        )
+        for which in sorted(directions[node.name], key=("forward", "backward").index):
+            # A forward collective the backward graph issues again (AOTAutograd's partition
+            # recomputed it there rather than saving its result): the same collective, once more.
+            again = which == "backward" and "forward" in directions[node.name]
+            other = "backward" if which == "forward" else "forward"
+            out.append(
+                {
+                    "id": f"{which}:{node.name}",
+                    "direction": which,
+                    "kind": node_kind(node).value,
+                    "group": group,
+                    "mesh_dim": facts.get("groups", {}).get(group),
+                    "group_size": n,
+                    "bytes": payload,
+                    "wire_bytes": bytes_per_rank(node_kind(node), payload, n),
+                    "dtype": dtype_str(vals[0].dtype),
+                    "shape": list(vals[0].shape),
+                    "origin": origin_of(node),
+                    "partner": None
+                    if again or not (isinstance(partner, str) and "," not in partner)
+                    else f"{other}:{partner}",
+                    "issued_as": issued_as[f"{which}:{node.name}"],
+                    **({"recomputes": f"forward:{node.name}"} if again else {}),
+                }
+            )
     return out
 
 

@@ -51,8 +51,22 @@ def collectives(G: Graph) -> Iterator[Problem]:
                     f"{kind.value} transposing {partner.get('kind')}",
                     f"{' or '.join(sorted(allowed))} (the table's transpose of {partner.get('kind')})",
                 )
-        if c.get("direction") == "backward":
+        if c.get("recomputes") is not None:
+            yield from _recomputed(G, where, c)
+        elif c.get("direction") == "backward":
             yield from _owed(G, where, c, kind, d)
+
+
+def _recomputed(G: Graph, where: str, c: dict) -> Iterator[Problem]:
+    """A backward collective that issues a forward one again (the partition recomputed it): the
+    forward one is in the file, and this is the same collective (kind, group, bytes, origin)."""
+    first = G.collectives.get(c["recomputes"])
+    if first is None or first.get("direction") != "forward":
+        yield Problem(where, "recomputed", c["recomputes"], "a forward collective of this graph")
+        return
+    for key in ("kind", "group", "bytes", "shape", "origin"):
+        if c.get(key) != first.get(key):
+            yield Problem(where, "recomputed", f"{key} {c.get(key)}", f"{first.get(key)}, as {c['recomputes']!r}")
 
 
 def _owed(G: Graph, where: str, c: dict, kind: Kind, d: int) -> Iterator[Problem]:
@@ -109,7 +123,11 @@ def owed(G: Graph) -> Iterator[Problem]:
                     f"{RULES[Kind.ALL_GATHER].transpose.value}: its readers write "
                     f"shards on mesh dim {d}, so its cotangent is partial",
                 )
-    origins = {(c.get("origin"), c.get("mesh_dim")) for c in G.collectives.values() if c.get("direction") == "backward"}
+    origins = {
+        (c.get("origin"), c.get("mesh_dim"))
+        for c in G.collectives.values()
+        if c.get("direction") == "backward" and c.get("recomputes") is None  # a recomputation reduces nothing
+    }
     for name, p in G.values.items():
         if p.get("kind") != "parameter" or p.get("cotangent_role") != "eager" or p.get("requires_grad") is False:
             continue

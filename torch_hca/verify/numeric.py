@@ -115,12 +115,21 @@ class _Run:
         self.moves = {m["node"]: m for m in graph["moves"]}
         self.outputs = graph["outputs"]
         self.reduced: dict[str, list[tuple[int, str]]] = {}  # value -> its backward collectives (mesh dim, kind)
-        stepped = {(n, s["mesh_dim"]) for n, m in self.moves.items() for s in m["steps"] if s.get("backward")}
+        # A move step's own backward collective is its transpose, which the step's simulation runs;
+        # so is an all_to_all step's (gloo's fallback gathers both ways, the file links neither).
+        stepped = {
+            (n, s["mesh_dim"])
+            for n, m in self.moves.items()
+            for s in m["steps"]
+            if s.get("backward") or s.get("kind") == "all_to_all"
+        }
         # A replicated value cut locally (R -> S) whose cotangent the program gathers whole in the
         # backward (DTensor's backward of that move) although the file's step states none: on each
         # rank the cut's own backward pads its piece with zeros, so the gather is their sum.
         self.gathered: set[tuple[str, int]] = set()
         for c in graph["collectives"]:  # not a move step's own backward: a reduction of the cotangent
+            if c.get("recomputes") is not None:  # a forward collective issued again: not a reduction
+                continue
             if c.get("direction") == "backward" and (c.get("origin"), c.get("mesh_dim")) not in stepped:
                 if c["kind"] == "all_gather" and self._cut_from_replicated(c.get("origin"), c.get("mesh_dim")):
                     self.gathered.add((c["origin"], c["mesh_dim"]))

@@ -303,6 +303,10 @@ def _step(G: Graph, where: str, value: dict, s: dict) -> Iterator[Problem]:
             "a gather of an activation (padded all_gather), the only move of an uneven value",
         )
     wire_payload = payload if uneven is None else payload // uneven[1] * uneven[2]
+    if kind is Kind.ALL_TO_ALL and c.get("kind") == "all_gather":
+        # gloo has no all_to_all: DTensor gathers the whole value and keeps its piece, so the
+        # collective carries n times the all_to_all's bytes.
+        wire_payload *= G.sizes[d]
     for key, should in (("kind", kind.value), ("mesh_dim", d), ("bytes", wire_payload), ("direction", "forward")):
         if c.get(key) != should and not (key == "kind" and kind is Kind.ALL_TO_ALL and c.get(key) == "all_gather"):
             yield Problem(where, "emitted collective", f"{c.get('id')} {key} {c.get(key)}", should)
