@@ -28,10 +28,6 @@ STAGED = {
 _WAIT = c10d.wait_tensor.default
 
 
-def _group_name(group) -> str:
-    return group if isinstance(group, str) else group.group_name
-
-
 def stage_collectives(gm: fx.GraphModule) -> int:
     """Rewrite `gm`'s collectives to staged ones, in place (the caller recompiles); how many.
     A collective with no staged form (a coalesced one, an in-place all_reduce) is an
@@ -49,9 +45,7 @@ def stage_collectives(gm: fx.GraphModule) -> int:
                 f"{sorted(str(op) for op in STAGED)}. Run this job without staging (options staging='off') "
                 "on ranks of one device type"
             )
-        args = list(node.args)
-        args[-1] = _group_name(args[-1])
-        node.target, node.args = staged, tuple(args)
+        node.target = staged  # same arguments; the group is a name by the ops' schema
         for wait in [u for u in node.users if u.target is _WAIT]:
             wait.replace_all_uses_with(node)
             gm.graph.erase_node(wait)

@@ -21,6 +21,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils._pytree import tree_leaves, tree_map
 
 from torch_hca.api.sharding_spec import ShardingSpec
+from torch_hca.compiler.checks.agreement import EVERY_RANK_CALLS
 from torch_hca.compiler.logical import call_logically, output_layout
 from torch_hca.compiler.randomness import generator_digest
 from torch_hca.compiler.rewrites import DTensorRewrites
@@ -82,19 +83,14 @@ def _check_every_rank_calls(module: nn.Module, spec: ShardingSpec) -> None:
     (`torch_hca.compiler.checks.agreement`), so a peer at a compiled step or another eager call
     meets it at once and both name the mismatch. Parameters all replicated (data parallelism): an
     eager call needs nothing from the others, and one rank may evaluate alone."""
-    if not needs_exchange() or all(all(isinstance(p, Replicate) for p in layout) for layout in spec.params.values()):
+    if not (spec.stores_split and needs_exchange()):
         return
     mine = eager_call_text(module)
     texts = exchange("step", f"{mine}\t-\t-", range(dist.get_world_size()), mine)
     for rank, text in sorted(texts.items()):
         theirs = text.split("\t")[0]
         if theirs != mine:
-            raise CheckError(
-                f"rank {dist.get_rank()} makes {mine} while rank {rank} runs {theirs}: a module with parameters "
-                "stored split needs every rank in each call, compiled or eager (its collectives pair up across "
-                "the ranks). Evaluate on every rank (each on its own rows), or save the model and evaluate it "
-                "on one device (docs/huggingface.md)"
-            )
+            raise CheckError(f"rank {dist.get_rank()} makes {mine} while rank {rank} runs {theirs}: {EVERY_RANK_CALLS}")
 
 
 def _check_one_generator_state(digest: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,12 @@ class ShardingSpec:
     # hca.sharded(..., deployment=): each rank's capacity (a hca.Deployment), read by the report
     # (each rank's rows and predicted step under shares) and written into the strategy file.
     deployment: Any = None
+
+    @functools.cached_property
+    def stores_split(self) -> bool:
+        """Whether some parameter is stored split (not replicated on every mesh dim): then an
+        eager call communicates (`sharded_forward`'s check that every rank makes it)."""
+        return not all(all(isinstance(p, Replicate) for p in layout) for layout in self.params.values())
 
     def input_layout(self, index: int | None) -> Layout | None:
         if not self.per_argument:

@@ -145,18 +145,22 @@ def resumable_state(model: Any, checkpoint: str, rows: int, reshard: bool = Fals
     return found
 
 
-def load_model(trainer: Any, model: Any, checkpoint: str) -> None:
-    """Every rank: the parameters, each rank its own pieces, from the checkpoint's hca_state."""
+def _load(trainer: Any, model: Any, optimizer: Any, checkpoint: str) -> None:
+    """Every rank: its pieces of `model`'s parameters (and `optimizer`'s state) from the checkpoint's
+    hca_state, checked first; the world that wrote it is kept for the generators (`load_rng_state`)."""
     found = resumable_state(model, checkpoint, rows_per_step(trainer.args), trainer.hca_reshard)
     trainer.hca_saved_world = found["manifest"]["world_size"]
-    load(model, None, found["dir"], reshard=trainer.hca_reshard)
+    load(model, optimizer, found["dir"], reshard=trainer.hca_reshard)
+
+
+def load_model(trainer: Any, model: Any, checkpoint: str) -> None:
+    """Every rank: the parameters, each rank its own pieces, from the checkpoint's hca_state."""
+    _load(trainer, model, None, checkpoint)
 
 
 def load_state(trainer: Any, checkpoint: str) -> None:
     """Every rank: the parameters and the optimizer's state (hca.load), then the scheduler's."""
-    found = resumable_state(trainer.model, checkpoint, rows_per_step(trainer.args), trainer.hca_reshard)
-    trainer.hca_saved_world = found["manifest"]["world_size"]
-    load(trainer.model, _optimizer(trainer), found["dir"], reshard=trainer.hca_reshard)
+    _load(trainer, trainer.model, _optimizer(trainer), checkpoint)
     scheduler = torch.load(os.path.join(checkpoint, SCHEDULER), map_location="cpu", weights_only=True)
     trainer.lr_scheduler.load_state_dict(scheduler)
 

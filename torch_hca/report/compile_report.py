@@ -309,19 +309,19 @@ class CompileReport:
             lines.append(sentence(g) + (f"; {deployment_view.sentence(view)}" if view else ""))
         return "\n".join(lines)
 
+    def _module_entry(self, key: str) -> Any:
+        """What the sharded module keeps under `key` (its spec, its last call's rows), or None."""
+        module = self._module() if self._module is not None else None
+        return module.__dict__.get(key) if module is not None else None
+
     def deployment_view(self, g: GraphReport) -> dict | None:
         """Each rank's rows and predicted step for graph `g` under the module's deployment
         (``hca.sharded(..., deployment=)``), None without one or without a batch cut by rows."""
-        module = self._module() if self._module is not None else None
-        spec = module.__dict__.get("_hca_spec") if module is not None else None
-        rows = module.__dict__.get("_hca_uneven_rows") if module is not None else None
-        return deployment_view.per_rank(g, spec, rows)
+        return deployment_view.per_rank(g, self._module_entry("_hca_spec"), self._module_entry("_hca_uneven_rows"))
 
     def deployment(self) -> dict | None:
         """The module's deployment as its JSON data (``hca.sharded(..., deployment=)``), or None."""
-        module = self._module() if self._module is not None else None
-        spec = module.__dict__.get("_hca_spec") if module is not None else None
-        dep = getattr(spec, "deployment", None)
+        dep = getattr(self._module_entry("_hca_spec"), "deployment", None)
         return dep.to_dict() if dep is not None else None
 
     def __str__(self) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch_hca.report.parallelism import INPUT_WHY, placements
+from torch_hca.spmd.chunks import piece_size
 
 
 def _ranks_along(mesh: Any, mesh_dim: int) -> list[int]:
@@ -51,7 +52,7 @@ def per_rank(g: Any, spec: Any, local_rows: int | None) -> dict | None:
         if cut is None:
             return None
         ranks = _ranks_along(spec.mesh, cut[0])
-        rows = _chunks(cut[1], len(ranks))
+        rows = [piece_size(cut[1], len(ranks), i) for i in range(len(ranks))]  # DTensor's even Shard
     total, n = sum(rows), len(rows)
     best = list(dep.shares(total, ranks)) if total >= 2 * n else None
     return {
@@ -66,12 +67,6 @@ def per_rank(g: Any, spec: Any, local_rows: int | None) -> dict | None:
         "best_s": max(dep.step_s(best, ranks)) if best else None,
         "deployment": dep.to_dict(),
     }
-
-
-def _chunks(total: int, n: int) -> list[int]:
-    """The rows torch.chunk gives each of `n` ranks of `total` (DTensor's even Shard)."""
-    size = -(-total // n)
-    return [max(0, min(size, total - i * size)) for i in range(n)]
 
 
 def sentence(view: dict) -> str:

@@ -426,7 +426,7 @@ def build(rep: Any) -> dict:
         "graphs": [_plain(_graph_entry(g, mesh)) for g in graphs],
         # Informative, as cost_model: which rank is which device and its capacity
         # (hca.sharded(..., deployment=)); loading and the verifier do not compare it.
-        "deployment": rep.deployment() if hasattr(rep, "deployment") else None,
+        "deployment": rep.deployment(),
     }
 
 

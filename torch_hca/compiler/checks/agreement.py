@@ -166,6 +166,15 @@ def _describe_value(v: Any, digest: bool) -> tuple[str, str]:
     return type(v).__name__, repr(v) if digest else "-"
 
 
+# Why every rank must make each call of a module whose parameters are stored split, and the fix:
+# said by this check and by an eager call's own (torch_hca.api.sharded_forward).
+EVERY_RANK_CALLS = (
+    "a module with parameters stored split needs every rank in each call, compiled or eager (its collectives "
+    "pair up across the ranks). Evaluate on every rank (each on its own rows), or save the model and evaluate "
+    "it on one device (docs/huggingface.md)"
+)
+
+
 class InputAgreement:
     """Called with a graph's arguments before each call: raises unless every rank agrees on them."""
 
@@ -215,10 +224,7 @@ class InputAgreement:
         their_what, their_program, their_generators = theirs[0].split("\t")
         if our_what != their_what and "eager call" in our_what + their_what:
             raise CheckError(
-                f"{self.what}: rank {a} runs {our_what} while rank {b} runs {their_what}: a module with parameters "
-                "stored split needs every rank in each call, compiled or eager (its collectives pair up across the "
-                "ranks). Evaluate on every rank (each on its own rows), or save the model and evaluate it on one "
-                "device (docs/huggingface.md)"
+                f"{self.what}: rank {a} runs {our_what} while rank {b} runs {their_what}: {EVERY_RANK_CALLS}"
             )
         if our_what != their_what:
             raise CheckError(
