@@ -482,3 +482,20 @@ def test_storage_key_names_views_of_a_fake_dtensors_local_piece(fake_pg):
         assert view._local_tensor._base is None  # why the key is needed
         assert tp.storage_key(view._local_tensor) == tp.storage_key(y._local_tensor)
         assert tp.storage_key(other._local_tensor) != tp.storage_key(y._local_tensor)
+
+
+def test_redistribute_plan_is_dtensors_order_of_steps():
+    """A dim cut by both mesh dims is taken apart inner mesh dim first; a shard moved through
+    Replicate where the nesting asks it (three steps for two changed placements)."""
+    from torch.distributed.tensor import Partial
+
+    assert tp.redistribute_plan([2, 2], [8, 4, 6], [Shard(0), Shard(0)], [Shard(1), Shard(2)]) == [
+        (1, Shard(0), Shard(2)),
+        (0, Shard(0), Shard(1)),
+    ]
+    assert tp.redistribute_plan([2, 2], [8, 4], [Shard(0), Shard(0)], [Replicate(), Shard(0)]) == [
+        (1, Shard(0), Replicate()),
+        (0, Shard(0), Replicate()),
+        (1, Replicate(), Shard(0)),
+    ]
+    assert tp.redistribute_plan([4], [8], [Partial()], [Replicate()]) == [(0, Partial(), Replicate())]

@@ -12,7 +12,9 @@ import torch
 
 import torch_hca as hca
 from torch_hca.tools import zoo
-from torch_hca.verify import problems
+from torch_hca.report import strategy_file
+from torch_hca.verify import pieces as P
+from torch_hca.verify import problems, rules
 from torch_hca.verify.numeric import check
 
 from dist_cases import fake_world
@@ -159,3 +161,50 @@ def test_a_tied_weight_read_whole_and_by_a_split_batch_is_summed_once():
     _remove_collective(broken, summed[0]["id"])
     found, _ = check(copy.deepcopy(ref), broken, xs)
     assert found and "word_embeddings.weight" in found[0].where, found
+
+
+def test_a_dim_cut_by_two_mesh_dims_is_taken_apart_inner_mesh_dim_first():
+    """S(0),S(0) -> S(1),S(2) on a (2, 2) mesh: the file writes DTensor's order (mesh dim 1's
+    all_to_all first), which simulated step by step gives back the value; the other order (what
+    files said before 2026-12-08) mixes the rows of other ranks, and the rule 'nested order' names it."""
+    mesh = {"shape": [2, 2], "ranks": [[0, 1], [2, 3]]}
+    steps = strategy_file._move_steps(["S(0)", "S(0)"], ["S(1)", "S(2)"], [8, 4, 6], "float64", mesh)
+    assert [(s["mesh_dim"], s["src"], s["dst"]) for s in steps] == [(1, "S(0)", "S(2)"), (0, "S(0)", "S(1)")]
+    grid = P.Mesh([2, 2], mesh["ranks"])
+    x = torch.randn(8, 4, 6, dtype=torch.float64)
+
+    def run(order):
+        pieces = P.cut(x, ["S(0)", "S(0)"], grid)
+        for s in order:
+            pieces = P.step(pieces, grid, s["mesh_dim"], s["src"], s["dst"], "all_to_all")
+        return P.assemble(pieces, ["S(1)", "S(2)"], grid)[0]
+
+    assert torch.equal(run(steps), x) and not torch.equal(run(steps[::-1]), x)
+    collectives = []
+    for i, s in enumerate(steps):  # each step's forward all_to_all, as the file links them
+        s["collective"] = f"forward:all_to_all_{i}"
+        collectives.append(
+            {"id": s["collective"], "kind": "all_to_all", "mesh_dim": s["mesh_dim"], "bytes": s["bytes"]}
+            | {"direction": "forward", "partner": None}
+        )
+    G = rules.Graph(0, {"values": {}, "moves": [], "collectives": collectives, "issued": []}, {"mesh": mesh})
+    value = {"shape": [8, 4, 6], "dtype": "float64", "placements": ["S(0)", "S(0)"]}
+    verdict = lambda order: list(rules._steps(G, "move", value, ["S(0)", "S(0)"], ["S(1)", "S(2)"], order))
+    assert verdict(steps) == []
+    found = verdict(steps[::-1])
+    assert [p.rule for p in found] == ["nested order"] and "mesh dim 1 holds S(0)" in str(found[0]), found
+
+
+def test_a_mean_over_the_ranks_pieces_hands_each_one_nth_of_the_cotangent():
+    """P(avg) -> R (no backward collective): the exact adjoint of the mean is g / n on every rank;
+    R -> P(avg) sums the n equal shares back to g."""
+    grid = P.Mesh([4], [0, 1, 2, 3])
+    xs = [torch.randn(3, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+    out = P.step(xs, grid, 0, "P(avg)", "R", None)
+    assert torch.allclose(out[0], torch.stack(xs).mean(0).detach())
+    g = torch.randn(3, dtype=torch.float64)
+    torch.autograd.backward(out, [g] * 4)  # each rank's replica of the mean, its cotangent g
+    assert all(torch.allclose(x.grad, g / 4) for x in xs)
+    ys = [torch.randn(3, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+    torch.autograd.backward(P.step(ys, grid, 0, "R", "P(avg)", None), [g / 4] * 4)
+    assert all(torch.allclose(y.grad, g) for y in ys)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
 import time
 from typing import Any
 
@@ -168,6 +169,11 @@ def zoo_parity(
     verified = hca.verify(saved, raise_on_failure=False)
     result["verify_problems"] = [str(p) for p in verified.problems]
     if dist.get_rank() == 0:  # the file against the model, every rank simulated in float64 (one rank does it)
+        if os.environ.get("TORCH_HCA_ZOO_DUMP"):  # the verifier's inputs, to rerun it in one process
+            torch.save(
+                {"model": copy.deepcopy(ref), "strategy": saved, "inputs": batches[0]},
+                os.path.join(os.environ["TORCH_HCA_ZOO_DUMP"], f"{model_name}-{plan_name}-{dist.get_world_size()}.pt"),
+            )
         checked = hca.verify(copy.deepcopy(ref), saved, batches[0], raise_on_failure=False)
         result["model_verify_problems"] = [str(p) for p in checked.problems]
         result["numeric"] = checked.numeric and dataclasses.asdict(checked.numeric)

@@ -7,6 +7,8 @@ that moves one fails there first, with the name of what moved.
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -15,11 +17,8 @@ import torch.fx as fx
 
 
 def graph_arg_example(placeholder: fx.Node) -> Any:
-    """The real value Dynamo bound to a placeholder (a parameter, say), or None.
-
-    Dynamo records it in ``node.meta["grapharg"]`` (a `GraphArg`); it lets the
-    backend name the parameters a graph reads.
-    """
+    """The real value Dynamo bound to a placeholder (its ``meta["grapharg"]``), or None: how the
+    backend names the parameters a graph reads."""
     grapharg = placeholder.meta.get("grapharg")
     if grapharg is None:
         return None
@@ -42,29 +41,19 @@ def group_size(group_name: str) -> int:
 
 
 def group_rank(group_name: str) -> int:
-    """This process's rank inside the process group a `_c10d_functional` op names.
-
-    The ops carry the group by name only; its rank is this rank's coordinate
-    along that group (the index of the shard it owns).
-    """
+    """This process's rank in the group a `_c10d_functional` op names: its coordinate along that group."""
     return process_group(group_name).rank()
 
 
 def group_backend(group_name: str) -> str:
     """The backend string of the process group a `_c10d_functional` op names ("gloo", "nccl",
     or "cpu:gloo,cuda:nccl" for a group with one per device type)."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return str(dist.get_backend(_resolve_process_group(group_name)))
+    return str(torch.distributed.get_backend(process_group(group_name)))
 
 
 def default_store():
-    """The rendezvous store of the default process group (`TCPStore` or a prefix of it).
-
-    Compile-time agreement between ranks goes through it rather than through a
-    collective, so it never interleaves with the collectives the ranks' programs issue.
-    """
+    """The default process group's rendezvous store: compile-time agreement between ranks goes
+    through it, so it never interleaves with the collectives the ranks' programs issue."""
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store()
@@ -147,11 +136,8 @@ def record_implicit_redistributions() -> Iterator[list[RedistributionEvent]]:
 
 
 def copy_graph_module(gm):
-    """A deep copy of `gm` that also works while AOTAutograd's fake mode is active.
-
-    Tensor constants the graph holds are real tensors; copying them under an
-    active FakeTensorMode fails ("set the storage of a meta tensor").
-    """
+    """A deep copy of `gm` while AOTAutograd's fake mode is active: its tensor constants are real,
+    and copying them under a FakeTensorMode fails ("set the storage of a meta tensor")."""
     import copy
 
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -189,12 +175,9 @@ def fake_mode_of(values):
 
 
 def inductor_waits_late():
-    """Inductor compiling with its "sink_waits" pass: each collective's wait moved down to
-    just before the first use of its result.
-
-    Without it Inductor's scheduler put every wait right after its collective in the
-    backward of `dp512` (no overlap at all: 46 ms a step against 38 ms with it, and DDP's 38).
-    """
+    """Inductor with its "sink_waits" pass: each collective's wait moved to the first use of its
+    result. Without it every wait followed its collective in `dp512`'s backward (no overlap at
+    all: 46 ms a step against 38 ms with it, and DDP's 38)."""
     import torch._inductor.config as inductor_config
 
     return inductor_config.patch(
@@ -293,10 +276,7 @@ def clear_dtensor_sharding_cache() -> None:
 
 def group_members(group_name: str) -> list[int]:
     """Global ranks of the process group a `_c10d_functional` op names."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return dist.get_process_group_ranks(_resolve_process_group(group_name))
+    return torch.distributed.get_process_group_ranks(process_group(group_name))
 
 
 @dataclass(frozen=True)
@@ -446,3 +426,22 @@ def storage_key(t: torch.Tensor):
     from torch.multiprocessing.reductions import StorageWeakRef
 
     return StorageWeakRef(t.untyped_storage())
+
+
+@functools.cache
+def _plan_mesh(shape: tuple[int, ...]):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh("cpu", torch.arange(math.prod(shape)).reshape(shape), _init_backend=False, _rank=0)
+
+
+def redistribute_plan(mesh_shape, shape, src, dst) -> list[tuple[int, Any, Any]]:
+    """DTensor's own steps moving a value of `shape` from placements `src` to `dst` on a mesh of
+    `mesh_shape`, in the order it runs them: (mesh dim, from, to). Its planner is private; a mesh
+    without process groups is enough to ask it (the plan reads only shapes and placements)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    meta = TensorMeta(torch.Size(shape), torch.empty(shape, device="meta").stride(), torch.float32)
+    spec = lambda placements: DTensorSpec(_plan_mesh(tuple(mesh_shape)), tuple(placements), meta)  # noqa: E731
+    return [(i.mesh_dim, *i.src_dst_placements) for i in _gen_transform_infos(spec(src), spec(dst))]

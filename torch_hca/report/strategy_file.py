@@ -23,13 +23,13 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, Placement
 
-from torch_hca._torch_private import group_size, origin_of
+from torch_hca._torch_private import group_size, origin_of, redistribute_plan
 from torch_hca.compiler import dtensor_ops
 from torch_hca.errors import StrategyError
 from torch_hca.spmd.chunks import rank_pieces
 from torch_hca.spmd.collective_kinds import RULES, Kind, bytes_per_rank, move_kind
 from torch_hca.spmd.collective_nodes import OPS, node_group, node_kind, node_payload, payload_bytes
-from torch_hca.spmd.placements import dtype_str, layout_str, layout_texts, text_letter
+from torch_hca.spmd.placements import dtype_str, layout_str, layout_texts, parse_placement, placement_str, text_letter
 
 from torch_hca.report.strategy_issued import issued_collectives
 from torch_hca.report.strategy_residuals import is_size_input, residuals
@@ -96,19 +96,21 @@ def dim_groups(ranks: Any, dim: int) -> list[list[int]]:
 
 
 def _move_steps(src: list[str], dst: list[str], shape: list[int], dtype: str, mesh: dict) -> list[dict]:
-    """One entry per mesh dim the move changes: the move table's collective, its bytes and transpose."""
+    """One entry per step of DTensor's redistribute, in the order it runs them: the move table's
+    collective, its bytes and transpose. A dim cut by two mesh dims is taken apart from the inner
+    mesh dim out (its pieces nest in mesh-dim order), so the order is DTensor's own plan's."""
     sizes, steps = mesh["shape"], []
     element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    for d, (a, b) in enumerate(zip(src, dst)):
-        if a == b:
-            continue
+    current = list(src)
+    for d, a, b in _plan(src, dst, shape, sizes):
         kind = move_kind(text_letter(a), text_letter(b))
         # The payload: the value's buffer on one rank of this dim's group (other dims' shards cut it);
         # all_to_all moves this rank's own shard (collective_kinds' convention).
         local = math.prod(shape) * element
-        local //= math.prod(sizes[e] for e, p in enumerate(src) if e != d and p.startswith("S"))
+        local //= math.prod(sizes[e] for e, p in enumerate(current) if e != d and p.startswith("S"))
         if kind is Kind.ALL_TO_ALL:
             local //= sizes[d]
+        current[d] = b
         steps.append(
             {
                 "mesh_dim": d,
@@ -124,6 +126,16 @@ def _move_steps(src: list[str], dst: list[str], shape: list[int], dtype: str, me
             }
         )
     return steps
+
+
+def _plan(src: list[str], dst: list[str], shape: list[int], sizes: list[int]) -> list[tuple[int, str, str]]:
+    """(mesh dim, from, to) per step of DTensor's plan; mesh-dim order where it cannot be asked (a
+    placement with no plain text, a size not known)."""
+    plain = re.compile(r"S\(\d+\)|R|P\(\w+\)")
+    if all(plain.fullmatch(p) for p in (*src, *dst)) and all(isinstance(n, int) for n in shape):
+        plan = redistribute_plan(sizes, shape, [parse_placement(p) for p in src], [parse_placement(p) for p in dst])
+        return [(d, placement_str(a), placement_str(b)) for d, a, b in plan]
+    return [(d, a, b) for d, (a, b) in enumerate(zip(src, dst)) if a != b]
 
 
 def _value_entry(node: fx.Node, kind: str) -> dict | None:

@@ -12,14 +12,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from typing import Any
 
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Placement
 
 from torch_hca.errors import StrategyError
 from torch_hca.report.strategy_file import SCHEMA, VERSION, model_digest
-from torch_hca.spmd.placements import layout_texts
+from torch_hca.spmd.placements import layout_texts, parse_placement
 
 _TOP = {"schema": str, "version": int, "made_by": dict, "mesh": dict, "world_size": int, "model": dict, "graphs": list}
 _GRAPH = {
@@ -164,12 +163,3 @@ def check_replayed(entry: dict, values: dict[str, dict], redistributions: list, 
         says = theirs[first] if first < len(theirs) else "nothing more"
         here = mine[first] if first < len(mine) else "nothing more"
         raise StrategyError(f"strategy file: {graph}: move {first} is {says} in the file, {here} after replaying")
-
-
-def parse_placement(text: str) -> Placement:
-    m = re.fullmatch(r"S\((\d+)\)|R|P\((\w+)\)", text.strip())
-    if m is None:
-        raise StrategyError(f"strategy file: placement {text!r} is none of R, S(d), P(op)")
-    if text == "R":
-        return Replicate()
-    return Shard(int(m.group(1))) if m.group(1) is not None else Partial(m.group(2))

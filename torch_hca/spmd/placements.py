@@ -6,6 +6,8 @@ import re
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
+from torch_hca.errors import StrategyError
+
 
 def placement_str(p: Placement) -> str:
     if isinstance(p, Shard):
@@ -33,6 +35,16 @@ def layout_texts(text: str | None) -> list[str] | None:
     if text is None or text == "-":
         return None
     return _PLACEMENT_TEXT.findall(text)
+
+
+def parse_placement(text: str) -> Placement:
+    """The inverse of `placement_str` for R, S(d) and P(op); a `StrategyError` for any other text."""
+    m = re.fullmatch(r"S\((\d+)\)|R|P\((\w+)\)", text.strip())
+    if m is None:
+        raise StrategyError(f"strategy file: placement {text!r} is none of R, S(d), P(op)")
+    if text == "R":
+        return Replicate()
+    return Shard(int(m.group(1))) if m.group(1) is not None else Partial(m.group(2))
 
 
 def text_letter(text: str) -> str:

@@ -210,7 +210,9 @@ class _Run:
                     # it meets partial cotangents that a reduction above sums, DTensor adds it as a partial
                     # (whole / n on each rank), so that the sum counts it once.
                     src = P.divide_in_backward(src, self.mesh.sizes[s["mesh_dim"]])
-                src = P.step(src, self.mesh, s["mesh_dim"], s["src"], s["dst"], s.get("backward"))
+                # An all_to_all's backward is its transpose, an all_to_all (gloo's fallback gathers, linked to none).
+                back = s.get("backward") or ("all_to_all" if s.get("kind") == "all_to_all" else None)
+                src = P.step(src, self.mesh, s["mesh_dim"], s["src"], s["dst"], back)
         else:  # a gradient mark or another one-read op of the compiler: the identity forward
             src = [x.clone() if x.requires_grad else x for x in src]
         self.ranks[name] = self._reduced(name, src)

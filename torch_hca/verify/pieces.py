@@ -153,8 +153,8 @@ def _forward(xs: list[torch.Tensor], a: str, b: str, n: int) -> list[torch.Tenso
             return [whole.clone() for _ in xs]
         if kb == "S":
             return [chunk(whole, n, db, i).clone() for i in range(n)]
-    if ka == "P" and da == "sum":
-        whole = torch.stack(xs).sum(0)  # all_reduce (P -> R), reduce_scatter (P -> S)
+    if ka == "P" and da in ("sum", "avg"):
+        whole = torch.stack(xs).sum(0) if da == "sum" else torch.stack(xs).mean(0)  # all_reduce, reduce_scatter
         if kb == "R":
             return [whole.clone() for _ in xs]
         if kb == "S":
@@ -172,6 +172,12 @@ def _backward(gs: list[torch.Tensor], a: str, b: str, kind: str | None, n: int) 
     input is taken replicated, as DTensor's redistribute does."""
     (ka, da), (kb, db) = parse(a), parse(b)
     if kind is None:
+        # A mean over the ranks' pieces: each piece's share of the cotangent is 1/n of it (exact
+        # adjoint); R -> P(avg) sums those n equal shares back.
+        if ka == "P" and da == "avg" and kb == "R":
+            return [g / n for g in gs]
+        if ka == "R" and kb == "P" and db == "avg":
+            return [g * n for g in gs]
         if a == b or (ka in ("P", "R") and kb in ("P", "R")):
             return [g.clone() for g in gs]  # P -> R, R -> P: the cotangent as it is
         if ka == "S" and kb == "R":

@@ -247,18 +247,35 @@ def moves(G: Graph) -> Iterator[Problem]:
         for r in m.get("readers", []):
             if node not in (G.values.get(r) or {}).get("reads", [node]):
                 yield Problem(where, "move readers", f"{r!r} reads it", f"{r!r} listing {node!r} among its reads")
-        changed = [d for d, (a, b) in enumerate(zip(src, dst)) if a != b]
-        steps = m.get("steps", [])
-        if [s.get("mesh_dim") for s in steps] != changed:
+        yield from _steps(G, where, value, list(src), dst, m.get("steps", []))
+
+
+def _steps(G: Graph, where: str, value: dict, current: list[str], dst: list[str], steps: list) -> Iterator[Problem]:
+    """The steps, in the order the program runs them, take the value from its placement to the
+    move's; each one is legal where it runs: a mesh dim gathers or cuts a tensor dim only while no
+    later mesh dim cuts that dim too (the later one's pieces nest inside its own)."""
+    for s in steps:
+        d = s.get("mesh_dim")
+        if not isinstance(d, int) or not 0 <= d < len(current) or s.get("src") != current[d]:
+            at = current[d] if isinstance(d, int) and 0 <= d < len(current) else "no such mesh dim"
+            yield Problem(where, "move steps", f"a step on mesh dim {d} from {s.get('src')}", f"a step from {at}")
+            return
+        cut = {P.parse(p)[1] for p in (s["src"], s.get("dst") or "R") if p.startswith("S")}
+        inner = [e for e in range(d + 1, len(current)) if current[e].startswith("S") and P.parse(current[e])[1] in cut]
+        if inner:
             yield Problem(
-                where, "move steps", [s.get("mesh_dim") for s in steps], f"one step per changed mesh dim {changed}"
+                f"{where}, mesh dim {d} ({s['src']} -> {s.get('dst')})",
+                "nested order",
+                f"this step while mesh dim {inner[0]} holds {current[inner[0]]}",
+                f"mesh dim {inner[0]}'s step first (its pieces nest inside mesh dim {d}'s)",
             )
-            continue
-        for s in steps:
-            yield from _step(G, where, value, s)
+        yield from _step(G, where, value, s, current)
+        current[d] = s.get("dst")
+    if current != list(dst):
+        yield Problem(where, "move steps", f"steps ending at {current}", f"steps ending at the move's {list(dst)}")
 
 
-def _step(G: Graph, where: str, value: dict, s: dict) -> Iterator[Problem]:
+def _step(G: Graph, where: str, value: dict, s: dict, src: list[str]) -> Iterator[Problem]:
     d, a, b = s["mesh_dim"], s.get("src"), s.get("dst")
     where = f"{where}, mesh dim {d} ({a} -> {b})"
     kind = move_kind(letter(a), letter(b)) if a and b else None
@@ -269,7 +286,6 @@ def _step(G: Graph, where: str, value: dict, s: dict) -> Iterator[Problem]:
         yield Problem(where, "participants", s.get("participants"), dim_groups(G.data["mesh"]["ranks"], d))
     if kind is None:
         return
-    src = value.get("placements") or []
     element = torch.empty((), dtype=getattr(torch, value.get("dtype", "float32"))).element_size()
     payload = math.prod(value.get("shape") or []) * element
     payload //= math.prod(G.sizes[e] for e, p in enumerate(src) if e != d and p.startswith("S"))
