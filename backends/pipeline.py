@@ -42,6 +42,7 @@ from torch_hca.runtime.mesh import devices_mixed
 from torch_hca.compiler.parameters import parameter_name
 from torch_hca.errors import HCAError, UnsupportedError
 from torch_hca.compiler.dtensor_failures import dtensor_failure
+from torch_hca.compiler.partition import without_unread_collectives
 from torch_hca.compiler.randomness import generators_kept, without_dead_draws
 from torch_hca.compiler.checks.spmd_check import check_same_collectives
 from torch_hca.compiler.checks.refinement import check_refinement
@@ -216,6 +217,12 @@ def lower(gm: fx.GraphModule, example_inputs: list[Any], ctx: PassContext) -> Ca
             joint = run_pass(made.get(p, p)(), joint, ctx)
         report.joint = joint
         forward, backward = default_partition(report.joint, joint_inputs, **kwargs)
+        if removed := without_unread_collectives(backward):
+            log.debug(
+                "graph %d: the partition's unread copies of forward collectives removed from the backward: %s",
+                report.index,
+                ", ".join(removed),
+            )
         return forward, without_dead_draws(backward, f"graph {report.index}")
 
     def forward_compiler(fw: fx.GraphModule, inputs):

@@ -214,6 +214,7 @@ def _assert_parity(model_name: str, results: list[dict], numeric_whole: bool = T
     assert all((r["forward"], r["backward"]) == (first["forward"], first["backward"]) for r in results)
     # The independent verifier accepts every rank's strategy file (no false alarm on a real program).
     assert all(r["verify_problems"] == [] for r in results), [r["verify_problems"] for r in results]
+    assert first["issued_again"] == [], "the backward runs forward collectives again"
     # Against the model: re-traced, and every rank of the file run in float64 (rank 0 does it).
     assert first["model_verify_problems"] == [], first["model_verify_problems"]
     numeric = first["numeric"]

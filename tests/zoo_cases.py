@@ -168,6 +168,8 @@ def zoo_parity(
     saved = strategy_file.build(rep)
     verified = hca.verify(saved, raise_on_failure=False)
     result["verify_problems"] = [str(p) for p in verified.problems]
+    # A forward collective the backward issues again (torch_hca/compiler/partition.py removes unread copies).
+    result["issued_again"] = [c["id"] for g in saved["graphs"] for c in g["collectives"] if "recomputes" in c]
     if dist.get_rank() == 0:  # the file against the model, every rank simulated in float64 (one rank does it)
         if os.environ.get("TORCH_HCA_ZOO_DUMP"):  # the verifier's inputs, to rerun it in one process
             torch.save(
