@@ -8,7 +8,10 @@ Plain module, importable by the spawned ranks; no pytest here.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import types
+import unittest.mock
 
 import torch
 import torch.distributed as dist
@@ -245,22 +248,32 @@ def _named(e: Exception) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def measured_deployment(delay_s: float) -> dict:
-    """`hca.Deployment.measure` with a step that sleeps (1 + rank) x `delay_s`: rank 1 half rank 0's speed."""
-    import time
+@contextlib.contextmanager
+def _clock_of_steps():
+    """`Deployment.measure`'s clock made a counter that the timed step moves on: the timings are
+    exactly the step's, whatever else runs on the machine (a sleeping step overshoots its sleep on
+    a busy one, which made this test flaky). Yields the step's way to spend `s` seconds."""
+    from torch_hca.api import deployment
 
-    dep = hca.Deployment.measure(step=lambda: time.sleep((1 + dist.get_rank()) * delay_s), rounds=3)
+    now = [0.0]
+    with unittest.mock.patch.object(deployment, "time", types.SimpleNamespace(perf_counter=lambda: now[0])):
+        yield lambda s: now.__setitem__(0, now[0] + s)
+
+
+def measured_deployment(delay_s: float) -> dict:
+    """`hca.Deployment.measure` with a step that takes (1 + rank) x `delay_s`: rank 1 half rank 0's speed."""
+    with _clock_of_steps() as spend:
+        dep = hca.Deployment.measure(step=lambda: spend((1 + dist.get_rank()) * delay_s), rounds=3)
     return dep.to_dict()
 
 
 def measured_line(delay_s: float) -> dict:
-    """`hca.Deployment.measure(step, rows=(4, 12))` with a step on n rows that sleeps (1 + rank) x
+    """`hca.Deployment.measure(step, rows=(4, 12))` with a step on n rows that takes (1 + rank) x
     (`delay_s` + n x `delay_s` / 10): rank r's fixed part (1 + r) x `delay_s`, its rows per second
     10 / ((1 + r) x `delay_s`)."""
-    import time
-
     slow = 1 + dist.get_rank()
-    dep = hca.Deployment.measure(step=lambda n: time.sleep(slow * delay_s * (1 + n / 10)), rounds=3, rows=(4, 12))
+    with _clock_of_steps() as spend:
+        dep = hca.Deployment.measure(step=lambda n: spend(slow * delay_s * (1 + n / 10)), rounds=3, rows=(4, 12))
     return dep.to_dict()
 
 
