@@ -102,6 +102,20 @@ def test_round_trip_on_zoo_plans(fake_pg, tmp_path, make):
     assert hca.verify(tmp_path / "s.json").ok
 
 
+def test_a_second_mesh_in_the_same_process_loads_the_file(fake_pg, tmp_path):
+    """The file saved, then a new mesh made (as a notebook does when run again): the program names
+    the mesh by its number in this process, which differs now, and the file still loads; the
+    digest leaves that number out (HF GPT-2's file was refused so, in one process)."""
+    solved = _compiled(*_dp())
+    solved.save_strategy(tmp_path / "s.json")
+    hca.init_mesh()
+    loaded = _compiled(*_dp(), strategy=str(tmp_path / "s.json"))
+    handle = lambda rep: next(n.args[1] for n in rep.graph.dtensor_program.graph.nodes if n.name == "from_local")
+    assert handle(loaded) != handle(solved)  # the case: another number for the mesh
+    assert loaded.graph.layout.probe_seconds == 0.0
+    assert loaded.collective_counts() == solved.collective_counts()
+
+
 def test_a_file_for_another_model_is_a_named_error(fake_pg, tmp_path):
     path = tmp_path / "dp.json"
     _saved_once("dp", _dp, path)

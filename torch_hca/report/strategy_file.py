@@ -11,7 +11,6 @@ by `torch_hca.verify`, which shares no code with this module. The schema is docs
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -31,49 +30,15 @@ from torch_hca.spmd.collective_kinds import RULES, Kind, bytes_per_rank, move_ki
 from torch_hca.spmd.collective_nodes import OPS, node_group, node_kind, node_payload, payload_bytes
 from torch_hca.spmd.placements import dtype_str, layout_str, layout_texts, parse_placement, placement_str, text_letter
 
+from torch_hca.report.strategy_digest import logical_digest, model_digest, op_text
 from torch_hca.report.strategy_issued import issued_collectives
-from torch_hca.report.strategy_residuals import is_size_input, residuals
+from torch_hca.report.strategy_residuals import residuals
 
 SCHEMA = "torch_hca.strategy"
 VERSION = 1
 SOLVER_REASON = " reads it so ("  # passes/layout.py's reason for a move the solver (or a strategy file) chose
 
 # ----------------------------------------------------------------------------- facts of a graph
-
-
-def _target(node: fx.Node) -> str:
-    t = node.target
-    name = t if isinstance(t, str) else getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or str(t)
-    return re.sub(
-        r" at 0x[0-9a-f]+", "", f"{getattr(t, '__module__', '') or ''}.{name}" if not isinstance(t, str) else t
-    )
-
-
-def _arg_text(a: Any) -> str:
-    if isinstance(a, fx.Node):
-        return f"%{a.name}"
-    if isinstance(a, (list, tuple)):
-        return "(" + ",".join(_arg_text(x) for x in a) + ")"
-    if isinstance(a, dict):
-        return "{" + ",".join(f"{k}:{_arg_text(v)}" for k, v in sorted(a.items())) + "}"
-    if isinstance(a, (int, float, str, bool)) or a is None:
-        return repr(a)
-    if isinstance(a, Placement):
-        return repr(a)
-    return type(a).__name__  # a mesh or other object: its type only (the mesh is checked on its own)
-
-
-def logical_digest(gm: fx.GraphModule) -> str:
-    """A digest of the program the layout pass reads: each node's op, target, arguments and
-    logical shape and dtype; not the placements the layout pass chooses."""
-    lines = []
-    for node in gm.graph.nodes:
-        if is_size_input(node):  # the sizes themselves are in the shapes below
-            continue
-        v = node.meta.get("example_value")
-        shape = f"{list(v.shape)}:{v.dtype}" if isinstance(v, torch.Tensor) else ""
-        lines.append(f"{node.op} {node.name} {_target(node)} {_arg_text(node.args)} {_arg_text(node.kwargs)} {shape}")
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:32]
 
 
 def graph_facts(gm: fx.GraphModule, mesh) -> dict[str, Any]:
@@ -147,7 +112,7 @@ def _value_entry(node: fx.Node, kind: str) -> dict | None:
         return None
     entry = {
         "kind": kind,
-        "op": _target(node) if node.op != "placeholder" else "placeholder",
+        "op": op_text(node) if node.op != "placeholder" else "placeholder",
         "shape": list(meta["shape"]),
         "dtype": meta["dtype"],
         "placements": layout_texts(meta["placements"]),
@@ -390,12 +355,6 @@ def _plain(obj: Any) -> Any:
     if isinstance(obj, (torch.SymInt, torch.SymFloat)):
         return str(obj)
     return obj
-
-
-def model_digest(model: dict) -> str:
-    """The digest of the model section (all but its own ``digest``): parameters and logical graphs."""
-    body = {k: v for k, v in model.items() if k != "digest"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def laid_out(g: Any) -> bool:

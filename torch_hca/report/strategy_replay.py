@@ -17,7 +17,8 @@ from typing import Any
 from torch.distributed.tensor import Placement
 
 from torch_hca.errors import StrategyError
-from torch_hca.report.strategy_file import SCHEMA, VERSION, model_digest
+from torch_hca.report.strategy_digest import model_digest
+from torch_hca.report.strategy_file import SCHEMA, VERSION
 from torch_hca.spmd.placements import layout_texts, parse_placement
 
 _TOP = {"schema": str, "version": int, "made_by": dict, "mesh": dict, "world_size": int, "model": dict, "graphs": list}
