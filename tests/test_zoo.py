@@ -167,12 +167,23 @@ def test_plan_matches_and_divides(model_name, plan, world_size):
 
 @pytest.mark.parametrize("model_name,plan,world_size", CASES, ids=[f"{m}-{p}-{w}" for m, p, w in CASES])
 def test_zoo_parity(worlds, model_name, plan, world_size):
-    results = worlds(world_size).run(zoo_cases.zoo_parity, model_name, plan, STEPS, timeout_s=RUN_TIMEOUT_S)
+    results = worlds(world_size).run(
+        zoo_cases.zoo_parity, model_name, plan, STEPS, "sgd", None, False, 0.0, True, timeout_s=RUN_TIMEOUT_S
+    )
     case = f"{model_name}-{plan}-{world_size}"
     FIRST_CALL_S[case] = max(r["first_call_s"] for r in results)
     numeric = results[0]["numeric"] or {}
     VERIFY_S[case] = (results[0]["verify_s"], numeric.get("values", 0), numeric.get("gradients", 0))
     _assert_parity(model_name, results)
+    # The strategy file loaded by a fresh compile in the same process: no probing, the same
+    # collectives, one step equal to the reference's.
+    for r in results:
+        again = r["reloaded"]
+        assert again["probe_seconds"] == 0.0
+        assert (again["forward"], again["backward"]) == (r["forward"], r["backward"])
+        assert again["out_err"] <= TOL
+        bad = {n: e for n, e in _grad_errs(model_name, again).items() if not e <= TOL}
+        assert not bad, f"gradients of the reloaded compile off: {bad}"
 
 
 def test_test_transformer_under_dtensors_own_layout(worlds):
@@ -196,16 +207,21 @@ def test_test_transformer_under_dtensors_own_layout(worlds):
     assert results[0]["forward"] == {"all_reduce": 1 + 2 * model_zoo.TT_LAYERS, "all_gather": 1}
 
 
+def _grad_errs(model_name: str, result: dict, kind: str = "grad") -> dict[str, float]:
+    """Relative error per tensor; against the whole model's norm for ZERO_GRADIENT ones."""
+    return {
+        n: result[f"{kind}_abs_errs"][n] if model_zoo.zero_gradient(model_name, n) else e
+        for n, e in result[f"{kind}_errs"].items()
+    }
+
+
 def _assert_parity(model_name: str, results: list[dict], numeric_whole: bool = True) -> None:
     """`numeric_whole`: the numerical check must compare the whole graph (else: what it compared, no problem)."""
     first = results[0]
     # Tied weights stay tied in the sharded model (one parameter, one gradient, counted once).
     assert first["tied_sharded"] == first["tied_ref"]
     assert first["out_err"] <= TOL
-    errs = lambda kind: {  # relative per tensor; against the whole model for ZERO_GRADIENT ones
-        n: first[f"{kind}_abs_errs"][n] if model_zoo.zero_gradient(model_name, n) else e
-        for n, e in first[f"{kind}_errs"].items()
-    }
+    errs = lambda kind: _grad_errs(model_name, first, kind)
     bad = {n: e for n, e in errs("grad").items() if not e <= TOL}
     assert not bad, f"gradients off: {bad}"
     bad = {n: e for n, e in errs("param").items() if not e <= TOL}

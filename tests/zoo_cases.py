@@ -29,7 +29,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import json
 import os
+import tempfile
 import time
 from typing import Any
 
@@ -75,6 +77,7 @@ def zoo_parity(
     options: dict | None = None,
     count_c10d: bool = False,
     dropout: float = 0.0,
+    reload: bool = False,
 ) -> dict[str, Any]:
     """Outputs, gradients and `steps` optimizer steps of the sharded, hca-compiled model
     against the single-device reference, plus the report's graphs and collectives.
@@ -180,7 +183,39 @@ def zoo_parity(
         result["model_verify_problems"] = [str(p) for p in checked.problems]
         result["numeric"] = checked.numeric and dataclasses.asdict(checked.numeric)
         result["verify_s"] = checked.seconds
+    if reload:
+        result["reloaded"] = _reloaded(ref, plan, spec, mesh, options, saved, batches[0], loss_fn, local)
     return result
+
+
+def _reloaded(ref, plan, spec, mesh, options, saved: dict, xs, loss_fn, local) -> dict[str, Any]:
+    """The strategy file this rank saved, loaded by a fresh compile of the trained reference (in
+    this process, as a user reloading does): its collectives, its probing time, and one step's
+    outputs and gradients against the reference's."""
+    path = os.path.join(tempfile.mkdtemp(prefix="hca-strategy-"), "strategy.json")
+    with open(path, "w") as f:
+        json.dump(saved, f)
+    torch._dynamo.reset()
+    model = hca.sharded(plan, mesh=mesh, inputs=spec.inputs, outputs=spec.outputs)(copy.deepcopy(ref))
+    compiled = torch.compile(model, backend="hca", options={**options, "strategy": path})
+    torch.manual_seed(2000)  # the same draws for both, as in the steps above
+    state = torch.get_rng_state()
+    out = full(compiled(*local(xs)), mesh, spec.outputs)
+    loss_fn(out, xs).backward()
+    torch.set_rng_state(state)
+    ref.zero_grad()
+    ref_out = ref(*xs)
+    loss_fn(ref_out, xs).backward()
+    rep = hca.report(compiled)
+    grad_errs, grad_abs_errs = grad_errors(model, ref)
+    return {
+        "out_err": rel_err(out.detach(), ref_out.detach()),
+        "grad_errs": grad_errs,
+        "grad_abs_errs": grad_abs_errs,
+        "forward": rep.collective_counts("forward"),
+        "backward": rep.collective_counts("backward"),
+        "probe_seconds": sum(g.layout.probe_seconds for g in rep.graphs),
+    }
 
 
 def _buffer_err(t: torch.Tensor, ref: torch.Tensor) -> float:
