@@ -192,16 +192,17 @@ def _reloaded(ref, plan, spec, mesh, options, saved: dict, xs, loss_fn, local) -
     """The strategy file this rank saved, loaded by a fresh compile of the trained reference (in
     this process, as a user reloading does): its collectives, its probing time, and one step's
     outputs and gradients against the reference's."""
-    path = os.path.join(tempfile.mkdtemp(prefix="hca-strategy-"), "strategy.json")
-    with open(path, "w") as f:
-        json.dump(saved, f)
     torch._dynamo.reset()
     model = hca.sharded(plan, mesh=mesh, inputs=spec.inputs, outputs=spec.outputs)(copy.deepcopy(ref))
-    compiled = torch.compile(model, backend="hca", options={**options, "strategy": path})
     torch.manual_seed(2000)  # the same draws for both, as in the steps above
     state = torch.get_rng_state()
-    out = full(compiled(*local(xs)), mesh, spec.outputs)
-    loss_fn(out, xs).backward()
+    with tempfile.TemporaryDirectory(prefix="hca-strategy-") as folder:
+        path = os.path.join(folder, "strategy.json")
+        with open(path, "w") as f:
+            json.dump(saved, f)
+        compiled = torch.compile(model, backend="hca", options={**options, "strategy": path})
+        out = full(compiled(*local(xs)), mesh, spec.outputs)
+        loss_fn(out, xs).backward()
     torch.set_rng_state(state)
     ref.zero_grad()
     ref_out = ref(*xs)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from torch_hca.spmd.collective_nodes import OPS, WAIT
+
 
 def is_collective(node: fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional"
+    return node.op == "call_function" and (node.target in OPS or node.target is WAIT)
 
 
 def without_unread_collectives(backward: fx.GraphModule) -> list[str]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from importlib.metadata import version
 from typing import Any
 
@@ -28,7 +27,15 @@ from torch_hca.errors import StrategyError
 from torch_hca.spmd.chunks import rank_pieces
 from torch_hca.spmd.collective_kinds import RULES, Kind, bytes_per_rank, move_kind
 from torch_hca.spmd.collective_nodes import OPS, node_group, node_kind, node_payload, payload_bytes
-from torch_hca.spmd.placements import dtype_str, layout_str, layout_texts, parse_placement, placement_str, text_letter
+from torch_hca.spmd.placements import (
+    PLAIN_PLACEMENT,
+    dtype_str,
+    layout_str,
+    layout_texts,
+    parse_placement,
+    placement_str,
+    text_letter,
+)
 
 from torch_hca.report.strategy_digest import logical_digest, model_digest, op_text
 from torch_hca.report.strategy_issued import issued_collectives
@@ -96,8 +103,7 @@ def _move_steps(src: list[str], dst: list[str], shape: list[int], dtype: str, me
 def _plan(src: list[str], dst: list[str], shape: list[int], sizes: list[int]) -> list[tuple[int, str, str]]:
     """(mesh dim, from, to) per step of DTensor's plan; mesh-dim order where it cannot be asked (a
     placement with no plain text, a size not known)."""
-    plain = re.compile(r"S\(\d+\)|R|P\(\w+\)")
-    if all(plain.fullmatch(p) for p in (*src, *dst)) and all(isinstance(n, int) for n in shape):
+    if all(PLAIN_PLACEMENT.fullmatch(p) for p in (*src, *dst)) and all(isinstance(n, int) for n in shape):
         plan = redistribute_plan(sizes, shape, [parse_placement(p) for p in src], [parse_placement(p) for p in dst])
         return [(d, placement_str(a), placement_str(b)) for d, a, b in plan]
     return [(d, a, b) for d, (a, b) in enumerate(zip(src, dst)) if a != b]

@@ -37,9 +37,13 @@ def layout_texts(text: str | None) -> list[str] | None:
     return _PLACEMENT_TEXT.findall(text)
 
 
+# R, S(d) or P(op): a placement `parse_placement` reads back.
+PLAIN_PLACEMENT = re.compile(r"S\((\d+)\)|R|P\((\w+)\)")
+
+
 def parse_placement(text: str) -> Placement:
     """The inverse of `placement_str` for R, S(d) and P(op); a `StrategyError` for any other text."""
-    m = re.fullmatch(r"S\((\d+)\)|R|P\((\w+)\)", text.strip())
+    m = PLAIN_PLACEMENT.fullmatch(text.strip())
     if m is None:
         raise StrategyError(f"strategy file: placement {text!r} is none of R, S(d), P(op)")
     if text == "R":

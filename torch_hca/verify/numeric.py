@@ -99,6 +99,12 @@ def check(
     return found, summary
 
 
+def _own_backward(step: dict) -> str | None:
+    """The kind of a move step's own backward collective: the one the file links, or an
+    all_to_all's transpose, an all_to_all (gloo's fallback gathers both ways; the file links none)."""
+    return step.get("backward") or ("all_to_all" if step.get("kind") == "all_to_all" else None)
+
+
 class _Run:
     """One graph: the logical program and every rank's, side by side."""
 
@@ -115,14 +121,8 @@ class _Run:
         self.moves = {m["node"]: m for m in graph["moves"]}
         self.outputs = graph["outputs"]
         self.reduced: dict[str, list[tuple[int, str]]] = {}  # value -> its backward collectives (mesh dim, kind)
-        # A move step's own backward collective is its transpose, which the step's simulation runs;
-        # so is an all_to_all step's (gloo's fallback gathers both ways, the file links neither).
-        stepped = {
-            (n, s["mesh_dim"])
-            for n, m in self.moves.items()
-            for s in m["steps"]
-            if s.get("backward") or s.get("kind") == "all_to_all"
-        }
+        # A move step's own backward collective is its transpose, which the step's simulation runs.
+        stepped = {(n, s["mesh_dim"]) for n, m in self.moves.items() for s in m["steps"] if _own_backward(s)}
         # A replicated value cut locally (R -> S) whose cotangent the program gathers whole in the
         # backward (DTensor's backward of that move) although the file's step states none: on each
         # rank the cut's own backward pads its piece with zeros, so the gather is their sum.
@@ -210,9 +210,7 @@ class _Run:
                     # it meets partial cotangents that a reduction above sums, DTensor adds it as a partial
                     # (whole / n on each rank), so that the sum counts it once.
                     src = P.divide_in_backward(src, self.mesh.sizes[s["mesh_dim"]])
-                # An all_to_all's backward is its transpose, an all_to_all (gloo's fallback gathers, linked to none).
-                back = s.get("backward") or ("all_to_all" if s.get("kind") == "all_to_all" else None)
-                src = P.step(src, self.mesh, s["mesh_dim"], s["src"], s["dst"], back)
+                src = P.step(src, self.mesh, s["mesh_dim"], s["src"], s["dst"], _own_backward(s))
         else:  # a gradient mark or another one-read op of the compiler: the identity forward
             src = [x.clone() if x.requires_grad else x for x in src]
         self.ranks[name] = self._reduced(name, src)

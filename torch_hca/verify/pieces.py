@@ -154,7 +154,7 @@ def _forward(xs: list[torch.Tensor], a: str, b: str, n: int) -> list[torch.Tenso
         if kb == "S":
             return [chunk(whole, n, db, i).clone() for i in range(n)]
     if ka == "P" and da in ("sum", "avg"):
-        whole = torch.stack(xs).sum(0) if da == "sum" else torch.stack(xs).mean(0)  # all_reduce, reduce_scatter
+        whole = _combine(xs, a)[0]  # all_reduce (P -> R), reduce_scatter (P -> S)
         if kb == "R":
             return [whole.clone() for _ in xs]
         if kb == "S":
